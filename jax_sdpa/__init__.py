@@ -1,0 +1,21 @@
+"""jax_sdpa: fused scaled-dot-product attention for JAX.
+
+    jax_sdpa.scaled_dot_product_attention(q, k, v, ...)   # MLX's contract, [B, H, L, D]
+    jax_sdpa.dot_product_attention(query, key, value, ...)  # jax.nn's contract, [B, T, N, H]
+    jax_sdpa.explain(q, k, v, ...)                          # who serves a call, and why
+"""
+
+from jax_sdpa.api import (Explanation, dot_product_attention, explain,
+                          scaled_dot_product_attention)
+from jax_sdpa.dispatch import IMPLEMENTATIONS
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "dot_product_attention",
+    "explain",
+    "Explanation",
+    "IMPLEMENTATIONS",
+    "__version__",
+]

@@ -1,0 +1,67 @@
+"""Loads the compiled backend modules and registers their FFI targets with XLA.
+
+Each module (`_sdpa_cpu`, `_sdpa_cuda`, `_sdpa_metal`) exposes `registrations()`,
+a dict {target name: capsule}; targets are named `jax_sdpa_<implementation>_<fwd|bwd>`.
+Registration is deferred by JAX until the platform's plugin loads, so importing
+this on a machine without a GPU is fine. A module that is missing or fails to
+load only makes its implementations unavailable (dispatch says why).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+# module -> XLA platform name its handlers run on
+_MODULES = {"_sdpa_cpu": "cpu", "_sdpa_metal": "cpu", "_sdpa_cuda": "CUDA"}
+
+_targets: dict[str, str] = {}  # target name -> module
+_modules: dict[str, object] = {}
+_load_errors: dict[str, str] = {}
+_loaded = False
+
+
+def _load():
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module_name, platform in _MODULES.items():
+        try:
+            module = importlib.import_module(f"jax_sdpa.{module_name}")
+        except ImportError as e:
+            _load_errors[module_name] = str(e)
+            continue
+        _modules[module_name] = module
+        for target, capsule in module.registrations().items():
+            jax.ffi.register_ffi_target(target, capsule, platform=platform)
+            _targets[target] = module_name
+
+
+def has_backend(implementation: str) -> bool:
+    _load()
+    return f"jax_sdpa_{implementation}_fwd" in _targets
+
+
+def has_target(target: str) -> bool:
+    _load()
+    return target in _targets
+
+
+def module(name: str):
+    _load()
+    return _modules.get(name)
+
+
+def status() -> dict:
+    """What is built: {module: 'loaded' | error message}."""
+    _load()
+    out = {}
+    for name in _MODULES:
+        if name in _modules:
+            out[name] = "loaded: " + ", ".join(
+                sorted(t for t, m in _targets.items() if m == name))
+        else:
+            out[name] = "not available (" + _load_errors.get(name, "?") + ")"
+    return out

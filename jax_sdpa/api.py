@@ -1,0 +1,353 @@
+"""Public entry points: validate, canonicalize, and call the differentiable op.
+
+- `scaled_dot_product_attention`: MLX's contract (layout [B, H, L, D], bottom-right
+  causal, bool or additive masks, sinks).
+- `dot_product_attention`: a drop-in for `jax.nn.dot_product_attention` (layout
+  [B, T, N, H], top-left causal, bias + bool mask, windows, its handling of
+  fully masked rows), plus `sinks=`.
+- `explain`: which implementation serves a call, and why not the others.
+
+Everything here runs at trace time; errors name the argument and the shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sdpa import dispatch, vjp
+from jax_sdpa.config import Config, StaticParams
+
+_VALID_FLOATS = (np.float16, np.float32, np.float64, jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------
+# validation helpers
+
+def _as_array(x, name):
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def _check_float(x, name):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype (float16, bfloat16, float32 or "
+                        f"float64), got {x.dtype}")
+
+
+def _check_lengths(x, name, batch):
+    if x is None:
+        return None
+    x = _as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array of shape ({batch},), got dtype "
+                        f"{x.dtype}")
+    if x.shape != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _check_implementation(implementation):
+    if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {dispatch.IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+
+
+def _broadcast_mask(mask, name, full_shape):
+    """Left-pads a mask to rank 4 and checks each dim is 1 or the full size."""
+    if mask.ndim > 4:
+        raise ValueError(f"{name} must have rank <= 4, got shape {mask.shape}")
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    for got, want in zip(mask.shape, full_shape):
+        if got != 1 and got != want:
+            raise ValueError(f"{name} of shape {mask.shape} is not broadcastable to "
+                             f"[B, Hq, Lq, Lk] = {list(full_shape)}")
+    return mask
+
+
+def _canonical_mask_dtype(mask, name):
+    if mask.dtype == jnp.bool_:
+        return mask
+    if not jnp.issubdtype(mask.dtype, jnp.floating):
+        raise TypeError(f"{name} must be boolean (True = attend) or floating (additive), got "
+                        f"{mask.dtype}")
+    if mask.dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        return mask.astype(jnp.float32)
+    return mask
+
+
+def _trace_platform():
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
+def _check_named(implementation, q, k, v, mask, sinks, q_lengths, kv_lengths, params):
+    if implementation is None:
+        return
+    cfg = _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+    dispatch.choose(cfg, _trace_platform(), "fwd", implementation)
+
+
+def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params) -> Config:
+    return Config.from_shapes(
+        q.shape, k.shape, v.shape, q.dtype,
+        None if mask is None else mask.shape, None if mask is None else mask.dtype,
+        sinks is not None, q_lengths is not None, kv_lengths is not None, params)
+
+
+def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
+    """(out, lse) through the differentiable op; handles empty sequences."""
+    len_q, len_kv = (q.shape[1], k.shape[1]) if params.seq_major else (q.shape[2], k.shape[2])
+    b = q.shape[0]
+    hq = q.shape[2] if params.seq_major else q.shape[1]
+    if len_q == 0 or len_kv == 0 or b == 0:
+        out = jnp.zeros(q.shape[:3] + (v.shape[3],), q.dtype)
+        return out, jnp.full((b, hq, len_q), -jnp.inf, jnp.float32)
+    return vjp.attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+
+
+# ---------------------------------------------------------------------------
+# MLX contract
+
+def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_seq_lengths,
+                      implementation):
+    q, k, v = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [B, H, L, D], got shape {x.shape}")
+        _check_float(x, name)
+    _check_implementation(implementation)
+    b, hq, lq, d = q.shape
+    _, hk, lk, _ = k.shape
+    if not (k.shape[0] == b and v.shape[0] == b):
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    if v.shape[1] != hk:
+        raise ValueError(f"k and v must have the same number of heads: k {k.shape}, "
+                         f"v {v.shape}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number "
+                         f"of key/value heads ({hk}): q {q.shape}, k {k.shape}")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k must have the same head dim: q {q.shape}, k {k.shape}")
+    if v.shape[2] != lk:
+        raise ValueError(f"k and v must have the same length: k {k.shape}, v {v.shape}")
+    dtype = jnp.result_type(q, k, v)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+    window_right, bottom_right = -1, False
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an array, got the string {mask!r}")
+        window_right, bottom_right, mask = 0, True, None
+    elif mask is not None:
+        mask = _canonical_mask_dtype(_as_array(mask, "mask"), "mask")
+        mask = _broadcast_mask(mask, "mask", (b, hq, lq, lk))
+
+    if sinks is not None:
+        sinks = _as_array(sinks, "sinks")
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks must have shape (Hq,) = ({hq},), got {sinks.shape}")
+        _check_float(sinks, "sinks")
+        sinks = sinks.astype(jnp.float32).reshape(1, hq)
+
+    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b)
+    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
+    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+    params = StaticParams(scale=scale, window_left=-1, window_right=window_right,
+                          bottom_right=bottom_right, seq_major=False,
+                          implementation=implementation)
+    return q, k, v, mask, sinks, q_lengths, kv_lengths, params
+
+
+def scaled_dot_product_attention(q, k, v, *, scale: Optional[float] = None, mask=None,
+                                 sinks=None, query_seq_lengths=None,
+                                 key_value_seq_lengths=None,
+                                 implementation: Optional[str] = None):
+    """Attention with MLX's `mx.fast.scaled_dot_product_attention` semantics.
+
+    q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] -> [B, Hq, Lq, Dv].
+    `mask`: None, "causal" (bottom-right aligned), a bool array (True = attend) or an
+    additive float array broadcastable to [B, Hq, Lq, Lk]. `sinks`: [Hq] logits.
+    `query_seq_lengths` / `key_value_seq_lengths`: int [B] valid lengths.
+    `implementation`: None (fastest that serves) or one of
+    "cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked".
+    """
+    args = _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths,
+                             key_value_seq_lengths, implementation)
+    _check_named(implementation, *args)
+    out, _ = _run(*args)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# jax.nn contract
+
+def _ensure_4d(x):
+    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *,
+                          scale: Optional[float] = None, is_causal: bool = False,
+                          query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, implementation: Optional[str] = None,
+                          return_residual: bool = False, sinks=None):
+    """A drop-in for `jax.nn.dot_product_attention` (same arguments, layout [B, T, N, H] or
+    [T, N, H], top-left causal, same results as its 'xla' implementation), plus
+    `sinks` ([N] logits) and the implementations of `scaled_dot_product_attention`."""
+    query, key, value = (_as_array(x, n) for x, n in
+                         ((query, "query"), (key, "key"), (value, "value")))
+    output_shape = query.shape
+    if query.ndim not in (3, 4):
+        raise ValueError(f"query must have shape [B, T, N, H] or [T, N, H], got {query.shape}")
+    for x, n in ((key, "key"), (value, "value")):
+        if x.ndim != query.ndim:
+            raise ValueError(f"{n} must have the same rank as query: query {query.shape}, "
+                             f"{n} {x.shape}")
+    _check_implementation(implementation)
+    query, key, value = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
+    for x, n in ((query, "query"), (key, "key"), (value, "value")):
+        _check_float(x, n)
+    b, s, nk, h = key.shape
+    _, t, n, _ = query.shape
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"value shape {value.shape} must match key shape {key.shape} in "
+                         f"B, S, K")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype should be {key.dtype}, but got {value.dtype}")
+    if query.shape[0] != b or query.shape[3] != h:
+        raise ValueError(f"query shape should be [{b}, T, N, {h}] like key {key.shape}, but "
+                         f"got {query.shape}")
+    if query.dtype != key.dtype:
+        raise ValueError(f"query dtype should be {key.dtype}, but got {query.dtype}")
+    if n % nk != 0:
+        raise ValueError(f"The number of query heads must be a multiple of key/value heads, "
+                         f"but got {n} vs {nk}")
+    full = (b, n, t, s)
+    combined = None
+    if bias is not None:
+        bias = _ensure_4d(_as_array(bias, "bias"))
+        _check_float(bias, "bias")
+        combined = _broadcast_mask(_canonical_mask_dtype(bias, "bias"), "bias", full)
+    if mask is not None:
+        mask = _ensure_4d(_as_array(mask, "mask"))
+        if mask.dtype != jnp.bool_:
+            raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
+        mask = _broadcast_mask(mask, "mask", full)
+        if combined is None:
+            combined = mask
+        else:  # both: one additive mask (masked entries can never be seen)
+            neg = jnp.asarray(-jnp.inf, combined.dtype)
+            combined = jnp.where(mask, combined, neg)
+    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b)
+    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
+    if query_seq_lengths is not None and jnp.asarray(query_seq_lengths).dtype != jnp.int32:
+        raise ValueError("query_seq_lengths dtype should be int32")
+    if key_value_seq_lengths is not None and jnp.asarray(key_value_seq_lengths).dtype != jnp.int32:
+        raise ValueError("key_value_seq_lengths dtype should be int32")
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
+    window_left, window_right = -1, -1
+    if local_window_size is not None:
+        window_left, window_right = (int(w) for w in local_window_size)
+        if window_left < 0 or window_right < 0:
+            raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
+    if is_causal:
+        window_right = 0 if window_right < 0 else min(window_right, 0)
+    if sinks is not None:
+        sinks = _as_array(sinks, "sinks")
+        if sinks.shape != (n,):
+            raise ValueError(f"sinks must have shape (N,) = ({n},), got {sinks.shape}")
+        _check_float(sinks, "sinks")
+        sinks = sinks.astype(jnp.float32).reshape(1, n)
+    scale = float(1.0 / math.sqrt(h) if scale is None else scale)
+    params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
+                          bottom_right=False, seq_major=True, implementation=implementation)
+    args = (query, key, value, combined, sinks, q_lengths, kv_lengths, params)
+    _check_named(implementation, *args)
+    out, lse = _run(*args)
+    out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n)
+    out = out.reshape(output_shape)
+    if return_residual:
+        residual = jnp.swapaxes(lse, 1, 2)  # B N T -> B T N
+        residual = jax.lax.stop_gradient(residual).astype(key.dtype)
+        return out, residual.reshape(output_shape[:-1])
+    return out
+
+
+def _jax_nn_empty_rows(out, lse, value, q_lengths, t, n):
+    """jax.nn masks with a large finite negative number, so a query row with no visible
+    key averages all values uniformly (padded query rows are then zeroed); its lse is
+    that large negative number. Reproduce both from our lse = -inf."""
+    empty = jnp.isneginf(lse)  # [B, N, T]
+    if q_lengths is not None:
+        padded = jnp.arange(t)[None, None, :] >= jnp.clip(q_lengths, 0, t)[:, None, None]
+        uniform_rows = empty & ~padded
+    else:
+        uniform_rows = empty
+    nk = value.shape[2]
+    mean_v = jnp.mean(value.astype(jnp.float32), axis=1)  # [B, K, H]
+    mean_v = jnp.repeat(mean_v, n // nk, axis=1)[:, None].astype(out.dtype)  # [B, 1, N, H]
+    out = jnp.where(jnp.swapaxes(uniform_rows, 1, 2)[..., None], mean_v, out)
+    large_negative = -0.7 * float(np.finfo(np.float32).max)
+    lse = jnp.where(empty, large_negative, lse)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# explain
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Which implementation `implementation=None` picks, and every implementation's verdict."""
+
+    chosen: str
+    platform: str
+    direction: str
+    verdicts: dict  # name -> (ok, reason)
+    config: Config
+
+    def __str__(self):
+        lines = [f"platform {self.platform}, {self.direction}: implementation=None -> "
+                 f"{self.chosen}"]
+        for name, (ok, reason) in self.verdicts.items():
+            mark = "*" if name == self.chosen else ("+" if ok else "-")
+            lines.append(f"  {mark} {name:12s} {reason}")
+        return "\n".join(lines)
+
+
+def explain(q, k, v, *, scale=None, mask=None, sinks=None, query_seq_lengths=None,
+            key_value_seq_lengths=None, implementation=None, platform: Optional[str] = None,
+            direction: str = "fwd") -> Explanation:
+    """Same arguments as `scaled_dot_product_attention` (arrays or jax.ShapeDtypeStruct):
+    returns which implementation `implementation=None` would choose on `platform`
+    (default: the default backend) and, for every implementation, whether it can serve
+    the call and why not."""
+    del implementation
+    captured = {}
+    mask_string = mask if isinstance(mask, str) else None
+
+    def trace(q, k, v, mask_array, sinks, ql, kvl):
+        args = _canonicalize_mlx(q, k, v, scale, mask_string or mask_array, sinks, ql, kvl,
+                                 None)
+        captured["cfg"] = _config(*args)
+        return jnp.zeros(())
+
+    jax.eval_shape(trace, q, k, v, None if mask_string else mask, sinks, query_seq_lengths,
+                   key_value_seq_lengths)
+    cfg = captured["cfg"]
+    platform = platform or _trace_platform()
+    chosen, verdicts = dispatch.explain_choice(cfg, platform, direction)
+    return Explanation(chosen=chosen, platform=platform, direction=direction,
+                       verdicts=verdicts, config=cfg)

@@ -1,0 +1,97 @@
+"""The static description of one attention call.
+
+`api.py` builds a `Config` from the (validated, canonical) arguments; `dispatch.py`
+decides from it which implementation serves the call; `primitives.py` rebuilds it
+from abstract values at lowering time. Only static facts live here: shapes,
+dtypes, flags. No arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+MASK_NONE = "none"
+MASK_BOOL = "bool"
+MASK_ADDITIVE = "additive"
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticParams:
+    """The primitives' static parameters (they become the FFI attributes)."""
+
+    scale: float
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1  # -1: unbounded; causal is 0
+    bottom_right: bool = False
+    seq_major: bool = False  # False: [B, H, L, D]; True: [B, L, H, D]
+    implementation: Optional[str] = None  # None: chosen per platform at lowering
+
+    @property
+    def causal(self) -> bool:
+        return self.window_right == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything an implementation needs to know to say whether it can serve a call."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: np.dtype
+    mask_kind: str  # MASK_NONE | MASK_BOOL | MASK_ADDITIVE
+    mask_shape: tuple
+    mask_dtype: Optional[np.dtype]
+    has_sinks: bool
+    has_q_lengths: bool
+    has_kv_lengths: bool
+    params: StaticParams
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def causal(self) -> bool:
+        return self.params.causal
+
+    @property
+    def score_bytes(self) -> int:
+        """Bytes of float32 scores an unfused implementation materializes."""
+        return 4 * self.batch * self.heads_q * self.len_q * self.len_kv
+
+    @property
+    def is_decode(self) -> bool:
+        """Few queries per kv head: the shape of autoregressive decoding."""
+        return self.len_q * self.group <= 64 and self.len_q <= 16
+
+    @staticmethod
+    def from_shapes(q_shape, k_shape, v_shape, dtype, mask_shape, mask_dtype,
+                    has_sinks, has_q_lengths, has_kv_lengths,
+                    params: StaticParams) -> "Config":
+        if params.seq_major:
+            b, lq, hq, d = q_shape
+            _, lk, hk, _ = k_shape
+        else:
+            b, hq, lq, d = q_shape
+            _, hk, lk, _ = k_shape
+        if mask_shape is None:
+            kind, mdtype = MASK_NONE, None
+        else:
+            mdtype = np.dtype(mask_dtype)
+            kind = MASK_BOOL if mdtype == np.dtype(bool) else MASK_ADDITIVE
+        return Config(
+            batch=int(b), heads_q=int(hq), heads_kv=int(hk), len_q=int(lq),
+            len_kv=int(lk), head_dim=int(d), head_dim_v=int(v_shape[-1]),
+            dtype=np.dtype(dtype), mask_kind=kind,
+            mask_shape=tuple(mask_shape) if mask_shape is not None else (),
+            mask_dtype=mdtype, has_sinks=bool(has_sinks),
+            has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
+            params=params)

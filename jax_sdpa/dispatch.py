@@ -1,0 +1,175 @@
+"""Which implementation serves a call.
+
+Each implementation has a `supports_<name>(cfg, direction)` rule returning
+(ok, reason). `choose` walks the platform's preference order and returns the
+first that serves (the pure-JAX ones always do), so `implementation=None` never
+fails for want of a kernel; a named implementation that can't serve raises
+`NotImplementedError` with its reason.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import numpy as np
+
+from jax_sdpa import _ext
+from jax_sdpa.config import MASK_BOOL, Config
+
+IMPLEMENTATIONS = ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked")
+FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "metal": "cpu", "cpu": "cpu"}
+
+# Above this many bytes of float32 scores the exact reference switches to the
+# chunked one (XLA would otherwise materialize them, several times over in the
+# backward).
+XLA_CHUNKED_SCORE_BYTES = 256 << 20
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"))
+
+Verdict = tuple  # (ok: bool, reason: str)
+
+
+def _ok(reason="serves this call"):
+    return True, reason
+
+
+def _no(reason):
+    return False, reason
+
+
+def _platform_check(name, platform):
+    want = FUSED_PLATFORMS[name]
+    if platform != want:
+        where = {"cuda": "a CUDA GPU (jax platform 'cuda')",
+                 "cpu": "the CPU platform"}[want]
+        return _no(f"'{name}' needs {where}; this call lowers for platform '{platform}'")
+    return None
+
+
+def _common_fused_checks(cfg: Config):
+    if cfg.dtype not in _FLOAT_DTYPES:
+        return _no(f"dtype {cfg.dtype} is not float32, float16 or bfloat16")
+    return None
+
+
+# ---- one rule per implementation -------------------------------------------
+
+def supports_xla(cfg: Config, direction: str, platform: str) -> Verdict:
+    return _ok("exact einsum softmax in XLA (materializes the scores)")
+
+
+def supports_xla_chunked(cfg: Config, direction: str, platform: str) -> Verdict:
+    return _ok("online softmax over key blocks in XLA (O(L) memory)")
+
+
+def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
+    if (r := _platform_check("cpu", platform)) is not None:
+        return r
+    if not _ext.has_backend("cpu"):
+        return _no("the native CPU kernel is not built into this installation")
+    if (r := _common_fused_checks(cfg)) is not None:
+        return r
+    if max(cfg.head_dim, cfg.head_dim_v) > 512:
+        return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
+    return _ok()
+
+
+def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
+    if (r := _platform_check("metal", platform)) is not None:
+        return r
+    if not _ext.has_backend("metal"):
+        return _no("the Metal backend is not built into this installation "
+                   "(macOS with Metal, or Linux with JAX_SDPA_METAL_EMULATOR)")
+    if (r := _common_fused_checks(cfg)) is not None:
+        return r
+    if max(cfg.head_dim, cfg.head_dim_v) > 512:
+        return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
+    return _ok()
+
+
+def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
+    if (r := _platform_check("cudnn", platform)) is not None:
+        return r
+    if not _ext.has_backend("cudnn"):
+        return _no("the cuDNN backend is not built into this installation")
+    if cfg.dtype not in (np.dtype(np.float16), np.dtype("bfloat16")):
+        return _no(f"cuDNN SDPA needs float16 or bfloat16, got {cfg.dtype}")
+    if cfg.head_dim > 256 or cfg.head_dim_v > 256:
+        return _no(f"head dims ({cfg.head_dim}, {cfg.head_dim_v}) above 256")
+    if cfg.head_dim % 8 or cfg.head_dim_v % 8:
+        return _no(f"head dims ({cfg.head_dim}, {cfg.head_dim_v}) not multiples of 8")
+    if cfg.mask_kind == MASK_BOOL:
+        return _no("boolean mask arrays are not passed to cuDNN")
+    return _ok()
+
+
+def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
+    if (r := _platform_check("cuda", platform)) is not None:
+        return r
+    if not _ext.has_backend("cuda"):
+        return _no("our CUDA kernels are not built into this installation")
+    if direction == "bwd":
+        return _no("our CUDA kernels have no backward yet")
+    if (r := _common_fused_checks(cfg)) is not None:
+        return r
+    if not cfg.is_decode:
+        return _no("our CUDA kernel serves few-query (decode) shapes only")
+    return _ok()
+
+
+_RULES = {
+    "cudnn": supports_cudnn,
+    "cuda": supports_cuda,
+    "metal": supports_metal,
+    "cpu": supports_cpu,
+    "xla": supports_xla,
+    "xla_chunked": supports_xla_chunked,
+}
+
+
+def supports(name: str, cfg: Config, direction: str, platform: str) -> Verdict:
+    return _RULES[name](cfg, direction, platform)
+
+
+# ---- the choice ---------------------------------------------------------------
+
+def _preference(cfg: Config, platform: str, direction: str):
+    """Fused implementations to try, fastest first, on this platform."""
+    if platform == "cuda":
+        return ["cuda", "cudnn"] if cfg.is_decode else ["cudnn"]
+    if platform == "cpu":
+        # The Metal emulator on Linux is for testing only: never chosen implicitly.
+        metal = ["metal"] if sys.platform == "darwin" else []
+        return metal + ["cpu"]
+    return []
+
+
+def _xla_choice(cfg: Config) -> str:
+    return "xla_chunked" if cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES else "xla"
+
+
+def choose(cfg: Config, platform: str, direction: str = "fwd",
+           implementation: Optional[str] = None) -> str:
+    """The implementation that runs this call (raises NotImplementedError when a
+    named one can't)."""
+    if implementation is not None:
+        ok, reason = supports(implementation, cfg, direction, platform)
+        if not ok:
+            raise NotImplementedError(
+                f"jax_sdpa: implementation={implementation!r} can't serve this call: {reason}")
+        return implementation
+    for name in _preference(cfg, platform, direction):
+        if supports(name, cfg, direction, platform)[0]:
+            return name
+    return _xla_choice(cfg)
+
+
+def explain_choice(cfg: Config, platform: str, direction: str = "fwd"):
+    """(chosen, {name: (ok, reason)}) for every implementation."""
+    verdicts = {name: supports(name, cfg, direction, platform) for name in IMPLEMENTATIONS}
+    return choose(cfg, platform, direction), verdicts
+
+
+def ffi_target(name: str, direction: str) -> str:
+    return f"jax_sdpa_{name}_{direction}"

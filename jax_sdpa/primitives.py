@@ -1,0 +1,241 @@
+"""The two primitives every implementation lowers:
+
+    sdpa_fwd_p(q, k, v, mask, sinks, q_lengths, kv_lengths) -> (out, lse)
+    sdpa_bwd_p(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths) -> (dq, dk, dv)
+
+Operands and semantics are those of docs/ffi_contract.md; absent optional
+operands are zero-sized placeholders plus a `has_*` flag. Each primitive has an
+abstract eval, a batching rule (vmapped axes are folded into the batch), the
+pure-JAX reference as the default lowering, and per-platform lowerings that ask
+`dispatch` which implementation serves the call and emit its FFI custom call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_sdpa import dispatch, reference
+from jax_sdpa.config import Config, StaticParams
+
+sdpa_fwd_p = Primitive("jax_sdpa_fwd")
+sdpa_fwd_p.multiple_results = True
+sdpa_bwd_p = Primitive("jax_sdpa_bwd")
+sdpa_bwd_p.multiple_results = True
+
+_OPTIONAL = ("mask", "sinks", "q_lengths", "kv_lengths")
+
+
+# --------------------------------------------------------------------------
+# binding
+
+def _placeholder(dtype):
+    return jnp.zeros((0,), dtype)
+
+
+def _optional_operands(mask, sinks, q_lengths, kv_lengths):
+    flags = dict(has_mask=mask is not None, has_sinks=sinks is not None,
+                 has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
+    operands = (
+        _placeholder(jnp.float32) if mask is None else mask,
+        _placeholder(jnp.float32) if sinks is None else sinks,
+        _placeholder(jnp.int32) if q_lengths is None else q_lengths,
+        _placeholder(jnp.int32) if kv_lengths is None else kv_lengths,
+    )
+    return operands, flags
+
+
+def _static_kwargs(params: StaticParams):
+    return dataclasses.asdict(params)
+
+
+def fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
+    """Binds sdpa_fwd_p. mask/sinks/lengths may be None. Returns (out, lse)."""
+    optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths)
+    out, lse = sdpa_fwd_p.bind(q, k, v, *optional, **flags, **_static_kwargs(params))
+    return out, lse
+
+
+def bwd(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
+    """Binds sdpa_bwd_p. Returns (dq, dk, dv)."""
+    optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths)
+    return tuple(sdpa_bwd_p.bind(q, k, v, out, lse, dout, *optional, **flags,
+                                 **_static_kwargs(params)))
+
+
+def _split_kwargs(kw):
+    flags = {name: kw[name] for name in
+             ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")}
+    params = StaticParams(**{f.name: kw[f.name] for f in dataclasses.fields(StaticParams)})
+    return flags, params
+
+
+def _real(optional, flags):
+    """Placeholders -> None."""
+    keys = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")
+    return tuple(x if flags[key] else None for x, key in zip(optional, keys))
+
+
+# --------------------------------------------------------------------------
+# abstract evaluation
+
+def _fwd_abstract(q, k, v, *optional, **kw):
+    flags, params = _split_kwargs(kw)
+    if params.seq_major:
+        b, lq, hq, _ = q.shape
+    else:
+        b, hq, lq, _ = q.shape
+    out = q.update(shape=q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    lse = q.update(shape=(b, hq, lq), dtype=np.dtype(np.float32))
+    return out, lse
+
+
+def _bwd_abstract(q, k, v, out, lse, dout, *optional, **kw):
+    return (q.update(shape=q.shape, dtype=q.dtype), k.update(shape=k.shape, dtype=k.dtype),
+            v.update(shape=v.shape, dtype=v.dtype))
+
+
+sdpa_fwd_p.def_abstract_eval(_fwd_abstract)
+sdpa_bwd_p.def_abstract_eval(_bwd_abstract)
+
+
+# --------------------------------------------------------------------------
+# reference implementation (eager evaluation and the default lowering)
+
+def _reference_fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, *, params, chunked):
+    fn = reference.chunked_forward if chunked else reference.forward
+    return fn(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+
+
+def _reference_bwd(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *, params,
+                   chunked):
+    fn = reference.chunked_backward if chunked else reference.backward
+    return fn(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, params)
+
+
+def _fwd_impl(q, k, v, *optional, **kw):
+    return mlir_free_call(sdpa_fwd_p, (q, k, v) + optional, kw)
+
+
+def _bwd_impl(*args, **kw):
+    return mlir_free_call(sdpa_bwd_p, args, kw)
+
+
+def mlir_free_call(prim, args, kw):
+    """Eager evaluation: compile the primitive alone (dispatch happens at lowering)."""
+    return jax.jit(lambda *a: prim.bind(*a, **kw))(*args)
+
+
+sdpa_fwd_p.def_impl(_fwd_impl)
+sdpa_bwd_p.def_impl(_bwd_impl)
+
+
+# --------------------------------------------------------------------------
+# lowering
+
+def _config_from_avals(avals, flags, params) -> Config:
+    q, k, v, mask = avals[0], avals[1], avals[2], avals[3]
+    return Config.from_shapes(
+        q.shape, k.shape, v.shape, q.dtype,
+        mask.shape if flags["has_mask"] else None,
+        mask.dtype if flags["has_mask"] else None,
+        flags["has_sinks"], flags["has_q_lengths"], flags["has_kv_lengths"], params)
+
+
+def _ffi_attrs(params: StaticParams, flags):
+    return dict(scale=float(params.scale), window_left=int(params.window_left),
+                window_right=int(params.window_right), bottom_right=bool(params.bottom_right),
+                seq_major=bool(params.seq_major), **{k: bool(v) for k, v in flags.items()})
+
+
+def _lower(direction, platform):
+    """Lowering rule for one primitive direction ('fwd'/'bwd') on one platform
+    (None: the default rule, used by every platform without its own)."""
+    ref = _reference_fwd if direction == "fwd" else _reference_bwd
+    n_fixed = 3 if direction == "fwd" else 6
+
+    def rule(ctx, *args, **kw):
+        flags, params = _split_kwargs(kw)
+        avals = ctx.avals_in
+        # The optional operands start after q, k, v (fwd) or q, k, v, out, lse, dout (bwd).
+        cfg = _config_from_avals([avals[0], avals[1], avals[2], avals[n_fixed]], flags, params)
+        lowering_platform = platform or _platform_of(ctx)
+        name = dispatch.choose(cfg, lowering_platform, direction, params.implementation)
+        if name in ("xla", "xla_chunked"):
+            chunked = name == "xla_chunked"
+
+            def fn(*a):
+                fixed, optional = a[:n_fixed], _real(a[n_fixed:], flags)
+                return ref(*fixed, *optional, params=params, chunked=chunked)
+
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        target = dispatch.ffi_target(name, direction)
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **_ffi_attrs(params, flags))
+
+    return rule
+
+
+def _platform_of(ctx):
+    platforms = getattr(ctx.module_context, "platforms", None) or ["cpu"]
+    return platforms[0]
+
+
+for _direction, _prim in (("fwd", sdpa_fwd_p), ("bwd", sdpa_bwd_p)):
+    mlir.register_lowering(_prim, _lower(_direction, None))
+    for _platform in ("cpu", "cuda"):
+        mlir.register_lowering(_prim, _lower(_direction, _platform), platform=_platform)
+
+
+# --------------------------------------------------------------------------
+# batching: fold the vmapped axis into the batch dimension
+
+def _fold(x, bdim, size, batch):
+    """x with vmapped axis `bdim` (or None) -> leading batch of size*batch."""
+    if bdim is None:
+        x = jnp.broadcast_to(x[None], (size,) + x.shape)
+    else:
+        x = jnp.moveaxis(x, bdim, 0)
+    if x.shape[1] != batch:
+        x = jnp.broadcast_to(x, (size, batch) + x.shape[2:])
+    return x.reshape((size * batch,) + x.shape[2:])
+
+
+def _fold_broadcastable(x, bdim, size, batch):
+    """A mask/sinks operand whose batch dim may be 1 (broadcast): keep it 1 when
+    nothing about it varies, else materialize it per (vmapped, batch) pair."""
+    if bdim is None and x.shape[0] == 1:
+        return x
+    return _fold(x, bdim, size, batch)
+
+
+def _batch_rule(prim, n_fixed):
+    def rule(args, dims, **kw):
+        flags, _ = _split_kwargs(kw)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        q, qd = args[0], dims[0]
+        batch = q.shape[0] if qd is None else np.delete(np.array(q.shape), qd)[0]
+        batch = int(batch)
+        new_args = [_fold(a, d, size, batch) for a, d in zip(args[:n_fixed], dims[:n_fixed])]
+        keys = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")
+        for a, d, key in zip(args[n_fixed:], dims[n_fixed:], keys):
+            if not flags[key]:
+                new_args.append(a)  # placeholder: never batched (made inside our code)
+                assert d is None
+            elif key in ("has_mask", "has_sinks"):
+                new_args.append(_fold_broadcastable(a, d, size, batch))
+            else:
+                new_args.append(_fold(a, d, size, batch))
+        outs = prim.bind(*new_args, **kw)
+        outs = [o.reshape((size, batch) + o.shape[1:]) for o in outs]
+        return outs, [0] * len(outs)
+
+    return rule
+
+
+batching.primitive_batchers[sdpa_fwd_p] = _batch_rule(sdpa_fwd_p, 3)
+batching.primitive_batchers[sdpa_bwd_p] = _batch_rule(sdpa_bwd_p, 6)

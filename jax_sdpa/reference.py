@@ -1,0 +1,373 @@
+"""Pure-JAX attention: the fallback lowering of the primitives AND the test oracle.
+
+Two algorithms over the same canonical arguments (see docs/ffi_contract.md):
+
+- `forward` / `backward`: exact einsum softmax, materializing the [B, H, Lq, Lk]
+  scores (fast for small problems; in float64 it is the tests' oracle);
+- `chunked_forward` / `chunked_backward`: online softmax over blocks of keys,
+  O(L) memory in the sequence length for long sequences.
+
+Canonical arguments: q [B, Hq, Lq, D] (or [B, Lq, Hq, D] when seq_major), k, v
+likewise with Hk heads; mask None or rank 4 [mB, mH, mLq, mLk] (each 1 or full,
+head-major), bool = keep or additive; sinks None or float [1 or B, Hq]; lengths
+None or int32 [B]. Returns (out, lse) with lse float32 [B, Hq, Lq] (natural log,
+-inf for rows with nothing to attend, whose output is 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_sdpa.config import StaticParams
+
+NEG_INF = -jnp.inf
+
+
+def _to_bhld(x, seq_major):
+    return jnp.swapaxes(x, 1, 2) if seq_major else x
+
+
+def _from_bhld(x, seq_major):
+    return jnp.swapaxes(x, 1, 2) if seq_major else x
+
+
+def _acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _valid_lengths(lengths, full):
+    if lengths is None:
+        return None
+    return jnp.clip(lengths.astype(jnp.int32), 0, full)
+
+
+def visibility(params: StaticParams, batch, len_q, len_kv, key_index, q_lengths, kv_lengths,
+               bool_mask=None):
+    """Bool [B or 1, 1, Lq, len(key_index)]: may query i see key j (before additive masks)."""
+    i = jnp.arange(len_q, dtype=jnp.int32)[:, None]
+    j = key_index.astype(jnp.int32)[None, :]
+    qlen = _valid_lengths(q_lengths, len_q)
+    kvlen = _valid_lengths(kv_lengths, len_kv)
+    qlen_b = (jnp.full((batch,), len_q, jnp.int32) if qlen is None else qlen)[:, None, None, None]
+    kvlen_b = (jnp.full((batch,), len_kv, jnp.int32) if kvlen is None else kvlen)[:, None, None, None]
+    visible = (i < qlen_b) & (j < kvlen_b)
+    offset = (kvlen_b - qlen_b) if params.bottom_right else 0
+    d = j - (i + offset)
+    if params.window_left >= 0:
+        visible = visible & (d >= -params.window_left)
+    if params.window_right >= 0:
+        visible = visible & (d <= params.window_right)
+    if bool_mask is not None:
+        visible = visible & bool_mask
+    return visible
+
+
+def _grouped(x, heads_kv):
+    """[B, Hq, ...] -> [B, Hk, G, ...]."""
+    b, hq = x.shape[:2]
+    return x.reshape((b, heads_kv, hq // heads_kv) + x.shape[2:])
+
+
+def _mask_grouped(mask, heads_q, heads_kv):
+    """Mask [mB, mH, mLq, mLk] -> broadcastable to [B, Hk, G, Lq, Lk]."""
+    if mask.shape[1] == 1:
+        return mask[:, :, None]
+    return _grouped(mask, heads_kv)
+
+
+def _scores(q, k, mask, params, precision, acc):
+    """Scaled scores [B, Hk, G, Lq, Lk] (+ additive mask), float32 or wider."""
+    hk = k.shape[1]
+    qg = _grouped(q, hk)
+    s = jnp.einsum("bkgid,bkjd->bkgij", qg, k, precision=precision,
+                   preferred_element_type=acc)
+    s = s * jnp.asarray(params.scale, acc)
+    if mask is not None and mask.dtype != jnp.bool_:
+        s = s + _mask_grouped(mask, q.shape[1], hk).astype(acc)
+    return s
+
+
+def _visible_grouped(params, q, k, mask, q_lengths, kv_lengths):
+    b, hq, lq, _ = q.shape
+    lk = k.shape[2]
+    bool_mask = None
+    if mask is not None and mask.dtype == jnp.bool_:
+        bool_mask = _mask_grouped(mask, hq, k.shape[1])
+    vis = visibility(params, b, lq, lk, jnp.arange(lk), q_lengths, kv_lengths)
+    vis = vis[:, :, None]  # [B, 1, 1, Lq, Lk]
+    if bool_mask is not None:
+        vis = vis & bool_mask
+    return vis
+
+
+def _sink_logits(sinks, heads_kv, acc):
+    """sinks [sB, Hq] -> [sB, Hk, G, 1]."""
+    return _grouped(sinks.astype(acc), heads_kv)[..., None]
+
+
+def _padded_rows(q_lengths, batch, len_q):
+    """Bool [B, 1, 1, Lq]: query rows beyond the valid length."""
+    if q_lengths is None:
+        return None
+    qlen = _valid_lengths(q_lengths, len_q)
+    return (jnp.arange(len_q)[None, :] >= qlen[:, None])[:, None, None, :]
+
+
+def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
+            precision=None):
+    """Exact attention. Returns (out, lse)."""
+    q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
+    b, hq, lq, _ = q.shape
+    hk = k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    s = _scores(q, k, mask, params, precision, acc)
+    vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
+    s = jnp.where(vis, s, NEG_INF)
+    m = jnp.max(s, axis=-1)
+    if sinks is not None:
+        m = jnp.maximum(m, _sink_logits(sinks, hk, acc))
+    m_safe = jnp.where(jnp.isfinite(m), m, 0)
+    p = jnp.exp(s - m_safe[..., None])
+    total = jnp.sum(p, axis=-1)
+    if sinks is not None:
+        total = total + jnp.exp(_sink_logits(sinks, hk, acc) - m_safe)
+    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1)), NEG_INF)
+    pad = _padded_rows(q_lengths, b, lq)
+    if pad is not None:
+        lse = jnp.where(pad[:, :, None], NEG_INF, lse)
+    finite = jnp.isfinite(lse)
+    p = jnp.where(finite[..., None],
+                  p / jnp.where(finite, total, 1)[..., None], 0)
+    out = jnp.einsum("bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), v,
+                     precision=precision, preferred_element_type=acc)
+    out = out.reshape(b, hq, lq, v.shape[-1]).astype(q.dtype)
+    lse = lse.reshape(b, hq, lq).astype(jnp.float32)
+    return _from_bhld(out, params.seq_major), lse
+
+
+def _pv_dtype(v_dtype, acc):
+    # Probabilities stay in the accumulation dtype: more accurate than rounding
+    # them to bf16 first, and the same on every backend.
+    return jnp.promote_types(v_dtype, acc)
+
+
+def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
+             params: StaticParams, precision=None):
+    """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward)."""
+    del sinks  # enters only through lse
+    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    hk = k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    p, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
+                               params, precision, acc)
+    dq, dk, dv = _grads_from_dscores(q, k, dout, p, ds, params, precision, acc)
+    return tuple(_from_bhld(x, params.seq_major) for x in (dq, dk, dv))
+
+
+def _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params,
+                       precision, acc, key_index=None):
+    """P and dS = P * (dP - delta), both [B, Hk, G, Lq, Lk_block], inputs in BHLD."""
+    hk = k.shape[1]
+    s = _scores(q, k, mask, params, precision, acc)
+    lse_g = _grouped(lse.astype(acc), hk)[..., None]
+    finite = jnp.isfinite(lse_g)
+    if key_index is None:
+        vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
+    else:
+        vis = key_index  # precomputed visibility for a block
+    p = jnp.where(vis & finite, jnp.exp(s - jnp.where(finite, lse_g, 0)), 0)
+    dout_g = _grouped(dout, hk)
+    delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
+                    keepdims=True)
+    dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, v, precision=precision,
+                    preferred_element_type=acc)
+    ds = p * (dp - delta)
+    return p, ds
+
+
+def _grads_from_dscores(q, k, dout, p, ds, params, precision, acc):
+    hk = k.shape[1]
+    b, hq, lq, _ = q.shape
+    scale = jnp.asarray(params.scale, acc)
+    qg, dout_g = _grouped(q, hk), _grouped(dout, hk)
+    dq = jnp.einsum("bkgij,bkjd->bkgid", ds, k, precision=precision,
+                    preferred_element_type=acc) * scale
+    dk = jnp.einsum("bkgij,bkgid->bkjd", ds, qg, precision=precision,
+                    preferred_element_type=acc) * scale
+    dv = jnp.einsum("bkgij,bkgid->bkjd", p, dout_g, precision=precision,
+                    preferred_element_type=acc)
+    return (dq.reshape(b, hq, lq, q.shape[-1]).astype(q.dtype), dk.astype(k.dtype),
+            dv.astype(dout.dtype))
+
+
+def dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params: StaticParams,
+            precision=None):
+    """dL/d(score) [B, Hq, Lq, Lk] in float32: the gradient of an additive mask/bias
+    before it is summed over the mask's broadcast dimensions."""
+    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    acc = _acc_dtype(q.dtype)
+    _, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
+                               params, precision, acc)
+    b, hq, lq = q.shape[:3]
+    return ds.reshape(b, hq, lq, k.shape[2])
+
+
+# ---------------------------------------------------------------------------
+# Chunked (online softmax) versions: O(Lq * block) temporaries, not O(Lq * Lk).
+
+def choose_block(batch, heads_q, len_q, len_kv, budget_bytes=64 << 20):
+    """Keys per block so that one block's float32 scores stay near the budget."""
+    per_key = 4 * max(1, batch * heads_q * len_q)
+    block = max(16, budget_bytes // per_key)
+    block = 1 << int(math.floor(math.log2(block)))
+    return int(min(block, max(16, 1 << (max(1, len_kv) - 1).bit_length())))
+
+
+def _blocks(x, axis, block, nblocks):
+    """Pads `axis` to nblocks*block and moves the block index to the front."""
+    pad = nblocks * block - x.shape[axis]
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+    shape = x.shape[:axis] + (nblocks, block) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _mask_blocks(mask, block, nblocks):
+    """Per-block masks: [nblocks, mB, mH, mLq, block] (or broadcast over keys)."""
+    if mask is None:
+        return None, False
+    if mask.shape[3] == 1:
+        return mask, False
+    return _blocks(mask, 3, block, nblocks), True
+
+
+def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
+                    precision=None, block: Optional[int] = None):
+    q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
+    b, hq, lq, _ = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    dv_ = v.shape[-1]
+    acc = _acc_dtype(q.dtype)
+    block = block or choose_block(b, hq, lq, lk)
+    nblocks = max(1, -(-lk // block))
+    k_blocks = _blocks(k, 2, block, nblocks)
+    v_blocks = _blocks(v, 2, block, nblocks)
+    m_blocks, mask_per_block = _mask_blocks(mask, block, nblocks)
+    qg = _grouped(q, hk)
+    scale = jnp.asarray(params.scale, acc)
+    bool_mask = mask is not None and mask.dtype == jnp.bool_
+
+    def step(carry, xs):
+        m_run, l_run, o_run = carry
+        idx, kb, vb = xs[0], xs[1], xs[2]
+        mb = xs[3] if mask_per_block else mask
+        key_index = idx * block + jnp.arange(block)
+        s = jnp.einsum("bkgid,bkjd->bkgij", qg, kb, precision=precision,
+                       preferred_element_type=acc) * scale
+        vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
+        vis = vis & (key_index < lk)
+        if mb is not None:
+            mg = _mask_grouped(mb, hq, hk)
+            if bool_mask:
+                vis = vis & mg
+            else:
+                s = s + mg.astype(acc)
+        s = jnp.where(vis, s, NEG_INF)
+        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        alpha = jnp.exp(m_run - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l_new = l_run * alpha + jnp.sum(p, axis=-1)
+        o_new = o_run * alpha[..., None] + jnp.einsum(
+            "bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), vb,
+            precision=precision, preferred_element_type=acc)
+        return (m_new, l_new, o_new), None
+
+    g = hq // hk
+    m0 = jnp.full((b, hk, g, lq), NEG_INF, acc)
+    if sinks is not None:
+        m0 = jnp.broadcast_to(_sink_logits(sinks, hk, acc), m0.shape)
+        l0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0).astype(acc)
+    else:
+        l0 = jnp.zeros((b, hk, g, lq), acc)
+    o0 = jnp.zeros((b, hk, g, lq, dv_), acc)
+    xs = (jnp.arange(nblocks), k_blocks, v_blocks) + ((m_blocks,) if mask_per_block else ())
+    (m_run, l_run, o_run), _ = lax.scan(step, (m0, l0, o0), xs)
+    ok = l_run > 0
+    lse = jnp.where(ok, jnp.where(jnp.isfinite(m_run), m_run, 0)
+                    + jnp.log(jnp.where(ok, l_run, 1)), NEG_INF)
+    pad = _padded_rows(q_lengths, b, lq)
+    if pad is not None:
+        lse = jnp.where(pad[:, :, None], NEG_INF, lse)
+    out = jnp.where(jnp.isfinite(lse)[..., None],
+                    o_run / jnp.where(ok, l_run, 1)[..., None], 0)
+    out = out.reshape(b, hq, lq, dv_).astype(q.dtype)
+    return _from_bhld(out, params.seq_major), lse.reshape(b, hq, lq).astype(jnp.float32)
+
+
+def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
+                     params: StaticParams, precision=None, block: Optional[int] = None):
+    del sinks
+    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    block = block or choose_block(b, hq, lq, lk)
+    nblocks = max(1, -(-lk // block))
+    k_blocks = _blocks(k, 2, block, nblocks)
+    v_blocks = _blocks(v, 2, block, nblocks)
+    m_blocks, mask_per_block = _mask_blocks(mask, block, nblocks)
+    bool_mask = mask is not None and mask.dtype == jnp.bool_
+    qg, dout_g = _grouped(q, hk), _grouped(dout, hk)
+    lse_g = _grouped(lse.astype(acc), hk)[..., None]
+    finite = jnp.isfinite(lse_g)
+    lse_safe = jnp.where(finite, lse_g, 0)
+    delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
+                    keepdims=True)
+    scale = jnp.asarray(params.scale, acc)
+
+    def step(dq, xs):
+        idx, kb, vb = xs[0], xs[1], xs[2]
+        mb = xs[3] if mask_per_block else mask
+        key_index = idx * block + jnp.arange(block)
+        s = jnp.einsum("bkgid,bkjd->bkgij", qg, kb, precision=precision,
+                       preferred_element_type=acc) * scale
+        vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
+        vis = vis & (key_index < lk) & finite
+        if mb is not None:
+            mg = _mask_grouped(mb, hq, hk)
+            if bool_mask:
+                vis = vis & mg
+            else:
+                s = s + mg.astype(acc)
+        p = jnp.where(vis, jnp.exp(s - lse_safe), 0)
+        dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, vb, precision=precision,
+                        preferred_element_type=acc)
+        ds = p * (dp - delta)
+        dq = dq + jnp.einsum("bkgij,bkjd->bkgid", ds, kb, precision=precision,
+                             preferred_element_type=acc) * scale
+        dkb = jnp.einsum("bkgij,bkgid->bkjd", ds, qg, precision=precision,
+                         preferred_element_type=acc) * scale
+        dvb = jnp.einsum("bkgij,bkgid->bkjd", p, dout_g, precision=precision,
+                         preferred_element_type=acc)
+        return dq, (dkb.astype(k.dtype), dvb.astype(v.dtype))
+
+    dq0 = jnp.zeros(qg.shape, acc)
+    xs = (jnp.arange(nblocks), k_blocks, v_blocks) + ((m_blocks,) if mask_per_block else ())
+    dq, (dk_blocks, dv_blocks) = lax.scan(step, dq0, xs)
+
+    def unblock(x, last):
+        x = jnp.moveaxis(x, 0, 2)  # [B, Hk, nblocks, block, D]
+        return x.reshape(b, hk, nblocks * block, last)[:, :, :lk]
+
+    dk = unblock(dk_blocks, d)
+    dv = unblock(dv_blocks, v.shape[-1])
+    dq = dq.reshape(b, hq, lq, d).astype(q.dtype)
+    return tuple(_from_bhld(x, params.seq_major) for x in (dq, dk, dv))
