@@ -4,6 +4,8 @@
 // operands and attributes in the same order (docs/ffi_contract.md).
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "ffi/sdpa_params.h"
@@ -241,6 +243,17 @@ inline ffi::Error check_lse(ffi::AnyBuffer::Dimensions d, ffi::DataType t, const
       d[2] != p.len_q)
     return detail::invalid("lse must be float32 [B, Hq, Lq], got " + detail::dims_str(d));
   return ffi::Error::Success();
+}
+
+// Tests set JAX_SDPA_POISON_OUTPUTS=1 so that handlers fill every output with NaN
+// before running the kernel: an element the kernel forgets to write then fails
+// the comparison instead of passing on whatever memory held. Read once.
+inline bool poison_outputs_requested() {
+  static const bool requested = [] {
+    const char* v = std::getenv("JAX_SDPA_POISON_OUTPUTS");
+    return v != nullptr && std::strcmp(v, "0") != 0 && v[0] != '\0';
+  }();
+  return requested;
 }
 
 }  // namespace jax_sdpa
