@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
@@ -31,7 +32,8 @@ struct SdpaAttrs {
 // Appends the attribute bindings, in the contract's order, to an ffi::Bind().
 template <typename Binding>
 auto bind_sdpa_attrs(Binding binding) {
-  return binding.template Attr<double>("scale")
+  // Binding::Attr is &&-qualified: the binding has to be moved into the chain.
+  return std::move(binding).template Attr<double>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
