@@ -88,20 +88,82 @@ def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
     return _ok()
 
 
+def _cudnn_facts():
+    """(runtime cuDNN version, (major, minor) of the weakest visible GPU), cached.
+    (-1, (0, 0)) when they can't be read."""
+    global _CUDNN_FACTS
+    if _CUDNN_FACTS is None:
+        version, cc = -1, (0, 0)
+        try:
+            version = int(_ext.module("_sdpa_cuda").cudnn_version())
+        except Exception:
+            pass
+        try:
+            import jax
+            caps = [tuple(int(x) for x in str(d.compute_capability).split("."))
+                    for d in jax.devices("gpu")]
+            cc = min(caps) if caps else (0, 0)
+        except Exception:
+            pass
+        _CUDNN_FACTS = (version, cc)
+    return _CUDNN_FACTS
+
+
+_CUDNN_FACTS = None
+
+
+def _cudnn_version_str(v):
+    return f"{v // 10000}.{(v // 100) % 100}.{v % 100}"
+
+
 def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
+    """What our cuDNN graphs (cuda/cudnn_sdpa.cc) serve; cuDNN's own support check
+    still runs when the graph is built and its message is raised if it refuses."""
+    from jax_sdpa.config import MASK_NONE
     if (r := _platform_check("cudnn", platform)) is not None:
         return r
     if not _ext.has_backend("cudnn"):
         return _no("the cuDNN backend is not built into this installation")
     if cfg.dtype not in (np.dtype(np.float16), np.dtype("bfloat16")):
         return _no(f"cuDNN SDPA needs float16 or bfloat16, got {cfg.dtype}")
-    if cfg.head_dim > 256 or cfg.head_dim_v > 256:
-        return _no(f"head dims ({cfg.head_dim}, {cfg.head_dim_v}) above 256")
-    if cfg.head_dim % 8 or cfg.head_dim_v % 8:
-        return _no(f"head dims ({cfg.head_dim}, {cfg.head_dim_v}) not multiples of 8")
+    version, cc = _cudnn_facts()
+    if version < 90000:
+        return _no("cuDNN >= 9.0 is needed, found "
+                   + ("none" if version < 0 else _cudnn_version_str(version)))
+    if cc < (8, 0):
+        return _no(f"cuDNN SDPA needs compute capability >= 8.0 (Ampere), this GPU is "
+                   f"{cc[0]}.{cc[1]}")
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    if d % 8 or dv % 8:
+        return _no(f"head dims ({d}, {dv}) must be multiples of 8 for cuDNN")
+    limit = 256 if cc[0] == 9 else 128  # Hopper: 256; Ampere/Ada/Blackwell: 128
+    if max(d, dv) > limit and not (cc[0] >= 10 and (d, dv) == (192, 128)):
+        return _no(f"head dims ({d}, {dv}) above cuDNN's {limit} on compute capability "
+                   f"{cc[0]}.{cc[1]}")
+    lengths = cfg.has_q_lengths or cfg.has_kv_lengths
+    p = cfg.params
+    banded = p.window_left >= 0 or p.window_right >= 0
+    # Bottom-right alignment only matters off the square diagonal or with lengths.
+    aligned_br = banded and p.bottom_right and (lengths or cfg.len_q != cfg.len_kv)
+    if aligned_br and version < 90600:
+        return _no("bottom-right aligned causal/window needs cuDNN >= 9.6, found "
+                   + _cudnn_version_str(version))
+    if p.window_left >= 0 and version < 91002:
+        if p.window_right < 0 or cfg.mask_kind != MASK_NONE:
+            return _no("a left window without a right bound, or with a mask, needs "
+                       "cuDNN >= 9.10.2, found " + _cudnn_version_str(version))
+    if cfg.has_sinks and version < 91300:
+        return _no("attention sinks need cuDNN >= 9.13, found " + _cudnn_version_str(version))
+    if direction == "bwd":
+        if cfg.len_q == 1 and cfg.len_kv == 1:
+            return _no("cuDNN's backward has no kernel for Lq = Lk = 1")
+        if aligned_br and cfg.mask_kind != MASK_NONE:
+            return _no("cuDNN's backward does not combine a bottom-right aligned "
+                       "causal/window with a mask or bias")
+    what = "fused flash attention"
     if cfg.mask_kind == MASK_BOOL:
-        return _no("boolean mask arrays are not passed to cuDNN")
-    return _ok()
+        what += " (the bool mask becomes an additive -inf bias)"
+    return _ok(f"cuDNN {_cudnn_version_str(version)} {what}")
 
 
 def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:

@@ -1,0 +1,172 @@
+// XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA").
+// Decode + check the call (ffi/ffi_decode.h), then run the cuDNN graphs in
+// cuda/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
+// comes from the ScratchAllocator, which CUDA-graph capture does not allow.
+#include <cuda_runtime.h>
+
+#include "cuda/cudnn_sdpa.h"
+#include "cuda/ffi_registry.h"
+#include "ffi/ffi_decode.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_sdpa {
+namespace {
+
+namespace ffi = xla::ffi;
+
+class FfiScratch final : public cudnn::Scratch {
+ public:
+  explicit FfiScratch(ffi::ScratchAllocator& a) : alloc_(a) {}
+  void* allocate(size_t bytes, size_t alignment) override {
+    auto mem = alloc_.Allocate(bytes, alignment);
+    return mem.has_value() ? *mem : nullptr;
+  }
+
+ private:
+  ffi::ScratchAllocator& alloc_;
+};
+
+// JAX_SDPA_POISON_OUTPUTS (tests): NaN-fill an output before the kernel runs, so
+// that an element nobody writes fails the comparison. 0xFF bytes are NaN in
+// f32, f16 and bf16.
+ffi::Error poison(ffi::Result<ffi::AnyBuffer>& x, cudaStream_t stream) {
+  if (!poison_outputs_requested() || x->size_bytes() == 0) return ffi::Error::Success();
+  if (cudaMemsetAsync(x->untyped_data(), 0xFF, x->size_bytes(), stream) != cudaSuccess)
+    return ffi::Error::Internal("jax_sdpa: cudaMemsetAsync (poison) failed");
+  return ffi::Error::Success();
+}
+
+ffi::Error to_ffi(const cudnn::Status& st) {
+  switch (st.code) {
+    case cudnn::Status::kOk: return ffi::Error::Success();
+    case cudnn::Status::kInvalidArgument: return ffi::Error::InvalidArgument(st.message);
+    case cudnn::Status::kUnimplemented:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, st.message);
+    case cudnn::Status::kResourceExhausted:
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, st.message);
+    default: return ffi::Error::Internal(st.message);
+  }
+}
+
+ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
+                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                    double scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                    bool seq_major, bool has_mask, bool has_sinks, bool has_q_lengths,
+                    bool has_kv_lengths) {
+  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, &p);
+      e.failure())
+    return e;
+  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
+
+  if (auto e = poison(out, stream); e.failure()) return e;
+  if (auto e = poison(lse, stream); e.failure()) return e;
+
+  SdpaFwdBuffers b;
+  b.q = q.untyped_data();
+  b.k = k.untyped_data();
+  b.v = v.untyped_data();
+  b.out = out->untyped_data();
+  b.lse = static_cast<float*>(lse->untyped_data());
+  FfiScratch s(scratch);
+  return to_ffi(cudnn::sdpa_forward(p, b, stream, s));
+}
+
+ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                    ffi::AnyBuffer dout, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
+                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
+                    int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
+                    bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, &p);
+      e.failure())
+    return e;
+  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_like("dout", dout.dimensions(), dout.element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse.dimensions(), lse.element_type(), p); e.failure()) return e;
+  if (auto e = check_like("dq", dq->dimensions(), dq->element_type(), q, "q", p.head_dim);
+      e.failure())
+    return e;
+  if (auto e = check_like("dk", dk->dimensions(), dk->element_type(), k, "k", p.head_dim);
+      e.failure())
+    return e;
+  if (auto e = check_like("dv", dv->dimensions(), dv->element_type(), v, "v", p.head_dim_v);
+      e.failure())
+    return e;
+
+  for (auto* r : {&dq, &dk, &dv})
+    if (auto e = poison(*r, stream); e.failure()) return e;
+
+  SdpaBwdBuffers b;
+  b.q = q.untyped_data();
+  b.k = k.untyped_data();
+  b.v = v.untyped_data();
+  b.out = out.untyped_data();
+  b.lse = static_cast<const float*>(lse.untyped_data());
+  b.dout = dout.untyped_data();
+  b.dq = dq->untyped_data();
+  b.dk = dk->untyped_data();
+  b.dv = dv->untyped_data();
+  FfiScratch s(scratch);
+  return to_ffi(cudnn::sdpa_backward(p, b, stream, s));
+}
+
+}  // namespace
+}  // namespace jax_sdpa
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSdpaCudnnFwd, jax_sdpa::CudnnFwd,
+    jax_sdpa::bind_sdpa_attrs(ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::AnyBuffer>()  // sinks
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                              ));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSdpaCudnnBwd, jax_sdpa::CudnnBwd,
+    jax_sdpa::bind_sdpa_attrs(ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::AnyBuffer>()  // sinks
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                              ));
+
+JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cudnn_fwd", JaxSdpaCudnnFwd);
+JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cudnn_bwd", JaxSdpaCudnnBwd);
