@@ -139,7 +139,7 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
     lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1)), NEG_INF)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
-        lse = jnp.where(pad[:, :, None], NEG_INF, lse)
+        lse = jnp.where(pad, NEG_INF, lse)
     finite = jnp.isfinite(lse)
     p = jnp.where(finite[..., None],
                   p / jnp.where(finite, total, 1)[..., None], 0)
@@ -305,7 +305,7 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
                     + jnp.log(jnp.where(ok, l_run, 1)), NEG_INF)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
-        lse = jnp.where(pad[:, :, None], NEG_INF, lse)
+        lse = jnp.where(pad, NEG_INF, lse)
     out = jnp.where(jnp.isfinite(lse)[..., None],
                     o_run / jnp.where(ok, l_run, 1)[..., None], 0)
     out = out.reshape(b, hq, lq, dv_).astype(q.dtype)
