@@ -1,0 +1,164 @@
+// XLA FFI handlers of the Metal backend: jax_sdpa_metal_fwd / jax_sdpa_metal_bwd, registered on
+// JAX's "cpu" platform. Decodes and checks the call (ffi/ffi_decode.h), builds the launch plan
+// (metal_shaders/host_plan.h) and hands it to the platform runner: Metal on macOS
+// (metal_shaders/host_macos.mm), the CPU emulator of the same .metal kernels on Linux
+// (metal_shaders/runner_emulator.cc). Also the nanobind module _sdpa_metal.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "ffi/ffi_decode.h"
+#include "metal_shaders/host_plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace jax_sdpa {
+namespace {
+
+ffi::Error run_plan(const metal::Plan& plan) {
+  metal::Runner* r = metal::runner();
+  if (r == nullptr)
+    return ffi::Error(ffi::ErrorCode::kUnavailable,
+                      "jax_sdpa metal: no Metal device: " + metal::runner_error());
+  std::string err = r->run(plan);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_sdpa metal: " + err);
+  return ffi::Error::Success();
+}
+
+ffi::Error unsupported(const std::string& why) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa metal: " + why);
+}
+
+ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                    ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                    double scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                    bool seq_major, bool has_mask, bool has_sinks, bool has_q_lengths,
+                    bool has_kv_lengths) {
+  const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
+    return e;
+  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
+  SdpaFwdBuffers io;
+  io.q = q.untyped_data();
+  io.k = k.untyped_data();
+  io.v = v.untyped_data();
+  io.out = out->untyped_data();
+  io.lse = static_cast<float*>(lse->untyped_data());
+  metal::Plan plan;
+  if (std::string why = metal::plan_forward(p, io, &plan); !why.empty()) return unsupported(why);
+  return run_plan(plan);
+}
+
+ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                    ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
+                    ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
+                    int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
+                    bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+  const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
+    return e;
+  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_like("dout", dout.dimensions(), dout.element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse.dimensions(), lse.element_type(), p); e.failure()) return e;
+  if (auto e = check_like("dq", dq->dimensions(), dq->element_type(), q, "q", p.head_dim);
+      e.failure())
+    return e;
+  if (auto e = check_like("dk", dk->dimensions(), dk->element_type(), k, "k", p.head_dim);
+      e.failure())
+    return e;
+  if (auto e = check_like("dv", dv->dimensions(), dv->element_type(), v, "v", p.head_dim_v);
+      e.failure())
+    return e;
+  SdpaBwdBuffers io;
+  io.q = q.untyped_data();
+  io.k = k.untyped_data();
+  io.v = v.untyped_data();
+  io.out = out.untyped_data();
+  io.lse = static_cast<const float*>(lse.untyped_data());
+  io.dout = dout.untyped_data();
+  io.dq = dq->untyped_data();
+  io.dk = dk->untyped_data();
+  io.dv = dv->untyped_data();
+  metal::Plan plan;
+  if (std::string why = metal::plan_backward(p, io, &plan); !why.empty()) return unsupported(why);
+  return run_plan(plan);
+}
+
+}  // namespace
+}  // namespace jax_sdpa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaMetalFwd, jax_sdpa::MetalFwd,
+                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q
+                                                            .Arg<xla::ffi::AnyBuffer>()  // k
+                                                            .Arg<xla::ffi::AnyBuffer>()  // v
+                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
+                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
+                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
+                                                            .Ret<xla::ffi::AnyBuffer>()  // out
+                                                            .Ret<xla::ffi::AnyBuffer>()  // lse
+                                                            ));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaMetalBwd, jax_sdpa::MetalBwd,
+                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q
+                                                            .Arg<xla::ffi::AnyBuffer>()  // k
+                                                            .Arg<xla::ffi::AnyBuffer>()  // v
+                                                            .Arg<xla::ffi::AnyBuffer>()  // out
+                                                            .Arg<xla::ffi::AnyBuffer>()  // lse
+                                                            .Arg<xla::ffi::AnyBuffer>()  // dout
+                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
+                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
+                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
+                                                            .Ret<xla::ffi::AnyBuffer>()  // dq
+                                                            .Ret<xla::ffi::AnyBuffer>()  // dk
+                                                            .Ret<xla::ffi::AnyBuffer>()  // dv
+                                                            ));
+
+NB_MODULE(_sdpa_metal, m) {
+  m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_sdpa_metal_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxSdpaMetalFwd));
+    d["jax_sdpa_metal_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxSdpaMetalBwd));
+    return d;
+  });
+  m.def(
+      "describe",
+      []() -> std::string {
+        jax_sdpa::metal::Runner* r = jax_sdpa::metal::runner();
+        return r ? r->describe() : "unavailable: " + jax_sdpa::metal::runner_error();
+      },
+      "'emulator (...)' on Linux, the Metal device name on macOS.");
+  m.def(
+      "available", []() { return jax_sdpa::metal::runner() != nullptr; },
+      "Whether a runner (Metal device or emulator) is usable.");
+  m.def(
+      "is_emulator",
+      []() {
+#ifdef JAX_SDPA_METAL_EMULATED
+        return true;
+#else
+        return false;
+#endif
+      },
+      "True when the kernels run on the CPU emulator.");
+}

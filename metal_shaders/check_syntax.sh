@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Type-checks every .metal file of metal_shaders/ as C++ with msl_emulator.h in check mode:
+# `device`, `constant` and `threadgroup` are distinct clang address spaces, so mixing them is a
+# compile error, as in MSL. Then proves the check has teeth: each tests/*.metal must fail in
+# check mode yet compile in run mode (address spaces erased), so only its address spaces are wrong.
+# Usage: metal_shaders/check_syntax.sh [clang++]   (default: $CLANGXX, clang++-19, clang++)
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+cxx="${1:-${CLANGXX:-}}"
+if [ -z "$cxx" ]; then
+  for c in clang++-19 clang++-20 clang++-18 clang++-17 clang++-16 clang++; do
+    if command -v "$c" >/dev/null 2>&1; then cxx="$c"; break; fi
+  done
+fi
+if [ -z "$cxx" ]; then echo "check_syntax: no clang++ found" >&2; exit 2; fi
+flags=(-std=c++20 -fsyntax-only -DMSL_EMU_CHECK -Wall -Wno-unknown-attributes
+       -Wno-unused-variable -Werror -I"$here" -x c++ -include "$here/msl_emulator.h")
+status=0
+for f in "$here"/*.metal; do
+  if "$cxx" "${flags[@]}" "$f"; then
+    echo "ok      $(basename "$f")"
+  else
+    echo "FAILED  $(basename "$f")" >&2; status=1
+  fi
+done
+run_flags=(-std=c++20 -fsyntax-only -Wno-unknown-attributes -I"$here" -x c++
+           -include "$here/msl_emulator.h")
+for f in "$here"/tests/*.metal; do
+  if "$cxx" "${flags[@]}" "$f" 2>/dev/null; then
+    echo "FAILED  $(basename "$f") was accepted; the check must reject it" >&2; status=1
+  elif ! "$cxx" "${run_flags[@]}" "$f"; then
+    echo "FAILED  $(basename "$f") has errors besides address spaces" >&2; status=1
+  else
+    echo "ok      $(basename "$f") rejected as expected"
+  fi
+done
+exit $status

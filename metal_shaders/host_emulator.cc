@@ -1,0 +1,27 @@
+// The Linux emulator's kernel side: the project's .metal files compiled as C++ by clang through
+// msl_emulator.h, exposed to the rest of the module through a plain C function (this object
+// is built by clang; the handler may be built by another compiler).
+#include "metal_shaders/msl_emulator.h"
+
+#include "metal_shaders/sdpa_backward.metal"
+#include "metal_shaders/sdpa_decode.metal"
+#include "metal_shaders/sdpa_forward.metal"
+
+extern "C" int jax_sdpa_metal_emu_launch(const char* kernel, const uint32_t grid[3],
+                                         uint32_t threads, void* const* buffers, int nbuffers,
+                                         char* err, size_t errlen) {
+  mslemu::Dim3 g;
+  g.x = grid[0];
+  g.y = grid[1];
+  g.z = grid[2];
+  std::string e = mslemu::launch(kernel, g, int(threads), buffers, nbuffers);
+  if (e.empty()) return 0;
+  std::snprintf(err, errlen, "%s: %s", kernel, e.c_str());
+  return 1;
+}
+
+extern "C" int jax_sdpa_metal_emu_workers() {
+  return mslemu::worker_count();
+}
+
+extern "C" int jax_sdpa_metal_emu_kernel_count() { return int(mslemu::registry().size()); }

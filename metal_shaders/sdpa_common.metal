@@ -1,0 +1,133 @@
+// Helpers shared by the attention kernels: masking rules (docs/ffi_contract.md), 8x8 fragment
+// I/O with bounds, row reductions. Compiles with Apple's compiler and with msl_emulator.h.
+// The host concatenates sdpa_shared.h, this file and the kernel files into one source, so
+// local #includes below are guarded and may be stripped.
+#ifndef JAX_SDPA_METAL_COMMON
+#define JAX_SDPA_METAL_COMMON
+
+#ifdef __METAL_VERSION__
+#include <metal_stdlib>
+#define MSL_TG_ARRAY(T, name, n) threadgroup T name[n]
+#define MSL_INSTANTIATE_KERNEL(name, func, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+#endif
+#include "sdpa_shared.h"
+
+using namespace metal;
+
+#define SDPA_LOG2E 1.4426950408889634f
+#define SDPA_LN2 0.6931471805599453f
+#define SDPA_NEG_INF (-INFINITY)
+
+// ---- masking rules ----------------------------------------------------------------------------
+
+// Valid length of batch row b, clamped to [0, full] (lengths are data; never trust them).
+METAL_FUNC int sdpa_length(device const int* lengths, int has, int b, int full) {
+  if (has == 0) return full;
+  int n = lengths[b];
+  return n < 0 ? 0 : (n > full ? full : n);
+}
+
+// Keys [first, last) of the band around query i's diagonal position i + off.
+METAL_FUNC int sdpa_band_first(int i, int off, int wl) {
+  return wl < 0 ? 0 : max(0, i + off - wl);
+}
+METAL_FUNC int sdpa_band_last(int i, int off, int wr, int kvlen) {
+  return wr < 0 ? kvlen : min(kvlen, max(0, i + off + wr + 1));
+}
+
+// Additive mask value in base 2 for (b, h, i, j), or -inf where a bool mask hides the key.
+METAL_FUNC float sdpa_mask2(device const uchar* mask, constant SdpaMetalParams& p, int b, int h,
+                            int i, int j) {
+  const long idx = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
+                   j * p.mask_stride[3];
+  if (p.mask_kind == SDPA_MASK_BOOL) return mask[idx] != 0 ? 0.0f : SDPA_NEG_INF;
+  float x;
+  if (p.mask_dtype == SDPA_DT_F16)
+    x = float(((device const half*)mask)[idx]);
+  else if (p.mask_dtype == SDPA_DT_BF16)
+    x = float(((device const bfloat*)mask)[idx]);
+  else
+    x = ((device const float*)mask)[idx];
+  return x * SDPA_LOG2E;
+}
+
+// Base-2 logit of key j for query i given q.k (`dot`), or -inf when j is not visible.
+// i < qlen, j < kvlen and the band are checked here.
+METAL_FUNC float sdpa_logit2(float dot, device const uchar* mask, constant SdpaMetalParams& p,
+                             int b, int h, int i, int j, int qlen, int kvlen, int off) {
+  if (i >= qlen || j >= kvlen || j < sdpa_band_first(i, off, p.window_left) ||
+      j >= sdpa_band_last(i, off, p.window_right, kvlen))
+    return SDPA_NEG_INF;
+  float x = dot * p.scale_log2;
+  if (p.mask_kind != SDPA_MASK_NONE) {
+    const float m = sdpa_mask2(mask, p, b, h, i, j);
+    if (m == SDPA_NEG_INF) return SDPA_NEG_INF;
+    x += m;
+  }
+  return x;
+}
+
+// exp2(x - m) that is 0 (not NaN) when x or m is -inf.
+METAL_FUNC float sdpa_exp2_safe(float x, float m) {
+  return (x == SDPA_NEG_INF || m == SDPA_NEG_INF) ? 0.0f : exp2(x - m);
+}
+
+// ---- 8x8 fragments ----------------------------------------------------------------------------
+// Lane l holds row (q & 4) + ((l / 2) % 4) and columns (q & 2) * 2 + (l % 2) * 2 + {0, 1},
+// q = l / 4 (Metal's simdgroup_matrix layout). Loading per lane lets edge tiles read zeros
+// instead of out-of-bounds memory.
+METAL_FUNC int sdpa_frag_row(uint lane) {
+  const uint q = lane / 4;
+  return int((q & 4) + ((lane / 2) % 4));
+}
+METAL_FUNC int sdpa_frag_col(uint lane) {
+  const uint q = lane / 4;
+  return int((q & 2) * 2 + (lane % 2) * 2);
+}
+
+// m[r][c] = base[(row0 + r) * stride + col0 + c], 0 for rows >= nrows.
+template <typename T>
+METAL_FUNC void sdpa_load(thread simdgroup_float8x8& m, device const T* base, long stride,
+                          int row0, int nrows, int col0, uint lane) {
+  const int r = row0 + sdpa_frag_row(lane), c = col0 + sdpa_frag_col(lane);
+  const bool ok = r < nrows;
+  device const T* src = base + (ok ? long(r) * stride + c : 0);
+  m.thread_elements()[0] = ok ? float(src[0]) : 0.0f;
+  m.thread_elements()[1] = ok ? float(src[1]) : 0.0f;
+}
+
+// Transposed: m[r][c] = base[(row0 + c) * stride + col0 + r], 0 for rows row0 + c >= nrows.
+template <typename T>
+METAL_FUNC void sdpa_load_t(thread simdgroup_float8x8& m, device const T* base, long stride,
+                            int row0, int nrows, int col0, uint lane) {
+  const int r = col0 + sdpa_frag_row(lane), c = row0 + sdpa_frag_col(lane);
+  for (int e = 0; e < 2; ++e) {
+    const bool ok = c + e < nrows;
+    m.thread_elements()[e] = ok ? float(base[long(c + e) * stride + r]) : 0.0f;
+  }
+}
+
+// base[(row0 + r) * stride + col0 + c] = scale * m[r][c] for rows < nrows.
+template <typename T>
+METAL_FUNC void sdpa_store(thread simdgroup_float8x8& m, device T* base, long stride,
+                           int row0, int nrows, int col0, float scale, uint lane) {
+  const int r = row0 + sdpa_frag_row(lane), c = col0 + sdpa_frag_col(lane);
+  if (r < nrows) {
+    device T* dst = base + long(r) * stride + c;
+    dst[0] = T(m.thread_elements()[0] * scale);
+    dst[1] = T(m.thread_elements()[1] * scale);
+  }
+}
+
+// Reductions over the 8 columns of a fragment row: the row's 4 lanes are l, l^1, l^8, l^9.
+METAL_FUNC float sdpa_row_max(float x) {
+  x = max(x, simd_shuffle_xor(x, ushort(1)));
+  return max(x, simd_shuffle_xor(x, ushort(8)));
+}
+METAL_FUNC float sdpa_row_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  return x + simd_shuffle_xor(x, ushort(8));
+}
+
+#endif  // JAX_SDPA_METAL_COMMON
