@@ -1,0 +1,303 @@
+"""jax_sdpa.flax against Flax's own attention, in linen and nnx modules."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_sdpa  # noqa: E402
+from jax_sdpa import _ext  # noqa: E402
+from jax_sdpa.flax import attention_fn, make_attention_fn  # noqa: E402
+
+IMPLS = [None, "xla", "xla_chunked"] + [n for n in ("cpu", "metal") if _ext.has_backend(n)]
+
+
+def _seed():
+    return int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+
+
+def _close(got, want, rtol=1e-5, what="", scale=None):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if scale is None:
+        scale = float(np.max(np.abs(want), initial=0.0))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(scale, 1e-6),
+                               err_msg=what)
+
+
+def _tree_close(got, want, rtol=1e-5, what=""):
+    # one scale for the whole tree: some gradients (e.g. of the key bias) are exactly
+    # zero in theory and only rounding noise in practice
+    scale = max(float(np.max(np.abs(np.asarray(x)), initial=0.0))
+                for x in jax.tree.leaves(want))
+    jax.tree.map(lambda a, b: _close(a, b, rtol, what, scale), got, want)
+
+
+# --------------------------------------------------------------------------
+# the function alone
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_function_matches_flax_batch_dims_bias_masks(impl):
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (2, 3, 7, 4, 16))
+    k = jax.random.normal(ks[1], (2, 3, 9, 4, 16))
+    v = jax.random.normal(ks[2], (2, 3, 9, 4, 16))
+    bias = jax.random.normal(ks[3], (3, 1, 7, 9))  # broadcast over the first batch dim
+    mask = jax.random.bernoulli(ks[4], 0.7, (2, 3, 1, 7, 9))
+    float_mask = mask.astype(jnp.float32)  # Flax: nonzero = attend
+    fn = make_attention_fn(implementation=impl)
+    want = nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
+    _close(jax.jit(fn)(q, k, v, bias, mask), want, what=f"seed {seed}")
+    _close(jax.jit(lambda *a: fn(*a[:3], bias=a[3], mask=a[4]))(q, k, v, bias, float_mask),
+           want, what=f"seed {seed}")
+    # no batch dims at all
+    want = nn.dot_product_attention(q[0, 0], k[0, 0], v[0, 0], mask=mask[0, 0])
+    _close(jax.jit(fn)(q[0, 0], k[0, 0], v[0, 0], None, mask[0, 0]), want, what=f"seed {seed}")
+
+
+def test_function_dtype_and_promotion():
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (2, 5, 2, 8), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 5, 2, 8), jnp.float32)
+    v = jax.random.normal(ks[2], (2, 5, 2, 8), jnp.float32)
+    out = jax.jit(attention_fn)(q, k, v)
+    assert out.dtype == jnp.float32  # promoted like Flax
+    out = jax.jit(functools.partial(attention_fn, dtype=jnp.bfloat16))(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    want = nn.dot_product_attention(q.astype(jnp.float32), k, v)
+    _close(out, want, rtol=2e-2, what=f"seed {seed}")
+
+
+def test_function_sinks_and_errors():
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q, k, v = (jax.random.normal(kk, (1, 6, 2, 8)) for kk in ks[:3])
+    sinks = jax.random.normal(ks[3], (2,))
+    out = make_attention_fn(sinks=sinks)(q, k, v)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:-1] + (1,))], -1)
+    p = jax.nn.softmax(s, -1)[..., :-1]
+    _close(out, jnp.einsum("bhqk,bkhd->bqhd", p, v), what=f"seed {seed}")
+    with pytest.raises(ValueError, match="heads"):
+        attention_fn(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2))
+    with pytest.raises(ValueError, match="implementation"):
+        make_attention_fn(implementation="nope")
+    # dropout would apply but a fused implementation was named: a clear error, not ignored
+    with pytest.raises(NotImplementedError, match="dropout"):
+        make_attention_fn(implementation="xla_chunked")(
+            q, k, v, dropout_rate=0.1, deterministic=False, dropout_rng=ks[0])
+    with pytest.raises(ValueError, match="dropout_rng"):
+        attention_fn(q, k, v, dropout_rate=0.1, deterministic=False)
+    # deterministic or rate 0: dropout is off and the fused path runs
+    _close(jax.jit(functools.partial(attention_fn, dropout_rate=0.1, deterministic=True))(
+           q, k, v),
+           nn.dot_product_attention(q, k, v))
+
+
+# --------------------------------------------------------------------------
+# linen
+
+
+def _linen_pair(impl, **kw):
+    ours = nn.MultiHeadDotProductAttention(attention_fn=make_attention_fn(implementation=impl),
+                                           **kw)
+    theirs = nn.MultiHeadDotProductAttention(**kw)
+    return ours, theirs
+
+
+def _linen_check(ours, theirs, args, kwargs, seed, rngs=None, rtol=1e-5):
+    params = theirs.init(jax.random.key(seed), *args, **kwargs)
+
+    def loss(module, p, *a):
+        out = module.apply(p, *a, **kwargs, rngs=rngs)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    grads = {}
+    outs = {}
+    for name, module in (("ours", ours), ("theirs", theirs)):
+        fn = jax.jit(jax.value_and_grad(functools.partial(loss, module), has_aux=True))
+        (_, outs[name]), grads[name] = fn(params, *args)
+    _close(outs["ours"], outs["theirs"], rtol, f"seed {seed}")
+    _tree_close(grads["ours"], grads["theirs"], rtol * 5, f"seed {seed}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_linen_self_attention_causal_and_padding(impl):
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 2)
+    b, t, f = 2, 13, 32
+    x = jax.random.normal(ks[0], (b, t, f))
+    lengths = jnp.array([t, 9])
+    valid = jnp.arange(t)[None] < lengths[:, None]
+    mask = nn.combine_masks(nn.make_causal_mask(jnp.ones((b, t))),
+                            nn.make_attention_mask(valid, valid))
+    ours, theirs = _linen_pair(impl, num_heads=4, qkv_features=32)
+    _linen_check(ours, theirs, (x,), dict(mask=mask), seed)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_linen_cross_attention_padding(impl):
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 2)
+    xq = jax.random.normal(ks[0], (3, 5, 24))
+    xkv = jax.random.normal(ks[1], (3, 11, 16))
+    kv_valid = jnp.arange(11)[None] < jnp.array([11, 4, 7])[:, None]
+    mask = nn.make_attention_mask(jnp.ones((3, 5), bool), kv_valid)
+    ours, theirs = _linen_pair(impl, num_heads=2, qkv_features=16, out_features=8)
+    _linen_check(ours, theirs, (xq, xkv), dict(mask=mask), seed)
+
+
+def test_linen_is_causal_fn_equals_causal_mask():
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (2, 10, 16))
+    ours = nn.MultiHeadDotProductAttention(num_heads=2,
+                                           attention_fn=make_attention_fn(is_causal=True))
+    theirs = nn.MultiHeadDotProductAttention(num_heads=2)
+    params = theirs.init(jax.random.key(seed + 1), x)
+    got = jax.jit(ours.apply)(params, x)
+    want = theirs.apply(params, x, mask=nn.make_causal_mask(jnp.ones((2, 10))))
+    _close(got, want, what=f"seed {seed}")
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_linen_dropout_equals_flax(broadcast):
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (2, 3, 8, 16))  # two batch dims
+    kw = dict(num_heads=2, dropout_rate=0.4, broadcast_dropout=broadcast,
+              deterministic=False)
+    ours, theirs = _linen_pair(None, **kw)
+    _linen_check(ours, theirs, (x,), {}, seed, rngs={"dropout": jax.random.key(seed + 7)})
+    # the dropout really applies: different rngs give different outputs
+    params = theirs.init(jax.random.key(0), x)
+    a = ours.apply(params, x, rngs={"dropout": jax.random.key(1)})
+    b = ours.apply(params, x, rngs={"dropout": jax.random.key(2)})
+    assert float(jnp.max(jnp.abs(a - b))) > 1e-3
+
+
+def test_linen_sow_weights_and_bf16():
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (2, 6, 16))
+    ours, theirs = _linen_pair(None, num_heads=2)
+    params = theirs.init(jax.random.key(1), x)
+    _, ours_w = ours.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    _, theirs_w = theirs.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    _tree_close(ours_w, theirs_w, what=f"seed {seed}")
+    ours, theirs = _linen_pair(None, num_heads=2, dtype=jnp.bfloat16)
+    got, want = jax.jit(ours.apply)(params, x), theirs.apply(params, x)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    _close(got, want, rtol=3e-2, what=f"seed {seed}")
+
+
+# --------------------------------------------------------------------------
+# nnx
+
+
+def _nnx_pair(impl, seed, **kw):
+    fn = make_attention_fn(implementation=impl)
+    ours = nnx.MultiHeadAttention(attention_fn=fn, rngs=nnx.Rngs(seed), **kw)
+    theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed), **kw)
+    return ours, theirs
+
+
+def _nnx_check(ours, theirs, args, kwargs, seed, rtol=1e-5):
+    @nnx.jit
+    def run(model, *a):
+        def loss(m):
+            out = m(*a, **kwargs)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return nnx.value_and_grad(loss, has_aux=True)(model)
+
+    (_, out_o), g_o = run(ours, *args)
+    (_, out_t), g_t = run(theirs, *args)
+    _close(out_o, out_t, rtol, f"seed {seed}")
+    _tree_close(nnx.state(g_o, nnx.Param), nnx.state(g_t, nnx.Param), rtol * 5, f"seed {seed}")
+
+
+def _nnx_supports_gqa():
+    import inspect
+    return "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
+
+
+GQA = [1, 2] if _nnx_supports_gqa() else [1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("group", GQA)
+def test_nnx_self_attention_causal_padding(impl, group):
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 2)
+    b, t, f, heads = 2, 11, 32, 4
+    x = jax.random.normal(ks[0], (b, t, f))
+    valid = jnp.arange(t)[None] < jnp.array([t, 6])[:, None]
+    mask = nnx.combine_masks(nnx.make_causal_mask(jnp.ones((b, t))),
+                             nnx.make_attention_mask(valid, valid))
+    kw = dict(num_heads=heads, in_features=f, qkv_features=32, decode=False)
+    if group > 1:
+        kw["num_kv_heads"] = heads // group
+    ours, theirs = _nnx_pair(impl, seed, **kw)
+    _nnx_check(ours, theirs, (x,), dict(mask=mask), seed)
+    # nnx's own is_causal= flag, and make_attention_fn(is_causal=True)
+    _nnx_check(ours, theirs, (x,), dict(is_causal=True), seed)
+    causal_fn = make_attention_fn(is_causal=True, implementation=impl)
+    ours_c = nnx.MultiHeadAttention(attention_fn=causal_fn, rngs=nnx.Rngs(seed), **kw)
+    _nnx_check(ours_c, theirs, (x,), dict(mask=nnx.make_causal_mask(jnp.ones((b, t)))), seed)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nnx_cross_attention(impl):
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 2)
+    xq = jax.random.normal(ks[0], (2, 4, 16))
+    xkv = jax.random.normal(ks[1], (2, 9, 16))
+    kv_valid = jnp.arange(9)[None] < jnp.array([9, 3])[:, None]
+    mask = nnx.make_attention_mask(jnp.ones((2, 4), bool), kv_valid)
+    ours, theirs = _nnx_pair(impl, seed, num_heads=2, in_features=16, decode=False)
+    _nnx_check(ours, theirs, (xq, xkv), dict(mask=mask), seed)
+
+
+def test_nnx_dropout_equals_flax():
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (2, 8, 16))
+    kw = dict(num_heads=2, in_features=16, dropout_rate=0.3, decode=False)
+    fn = make_attention_fn()
+    ours = nnx.MultiHeadAttention(attention_fn=fn, rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
+    theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
+    a = ours(x, deterministic=False)
+    b = theirs(x, deterministic=False)
+    _close(a, b, what=f"seed {seed}")
+    a2 = ours(x, deterministic=False)  # next rng draw: a different dropout pattern
+    assert float(jnp.max(jnp.abs(a - a2))) > 1e-3
+    run = nnx.jit(lambda m, x: m(x, deterministic=True))
+    _close(run(ours, x), run(theirs, x), what=f"seed {seed}")
+
+
+def test_nnx_decode_cache_matches_flax():
+    """nnx's own KV-cache decoding (a length mask over the cache) through attention_fn."""
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (2, 5, 16))
+    ours, theirs = _nnx_pair(None, seed, num_heads=2, in_features=16, decode=True)
+    for m in (ours, theirs):
+        m.init_cache(x.shape)
+    step = nnx.jit(lambda m, x: m(x))
+    for i in range(x.shape[1]):
+        _close(step(ours, x[:, i:i + 1]), step(theirs, x[:, i:i + 1]),
+               what=f"seed {seed} step {i}")
+
+
+def test_jax_sdpa_is_really_used():
+    x = jnp.ones((1, 4, 8))
+    m = nnx.MultiHeadAttention(num_heads=2, in_features=8, attention_fn=attention_fn,
+                               rngs=nnx.Rngs(0), decode=False)
+    jaxpr = str(jax.make_jaxpr(lambda x: m(x))(x))
+    assert "jax_sdpa_fwd" in jaxpr
+    assert jax_sdpa.explain(jnp.ones((1, 2, 4, 4)), jnp.ones((1, 2, 4, 4)),
+                            jnp.ones((1, 2, 4, 4))).chosen in jax_sdpa.IMPLEMENTATIONS
