@@ -55,7 +55,9 @@ fi
 
 if has tests; then
   say "GPU tests"
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -m gpu -q -p no:cacheprovider \
+  # Several workers share the GPU: no preallocation, each grows as it needs.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} \
     --timeout=120 --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} 2>&1 | tail -80 || rc=1
 fi
 
