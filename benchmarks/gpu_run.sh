@@ -12,6 +12,7 @@
 # BENCH_ARGS, BENCH_TIMEOUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
+# -P below: never import the source tree's jax_sdpa (no compiled modules) from the cwd.
 OUT=${OUT:-/tmp/jax_sdpa_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -47,7 +48,7 @@ if has build; then
     (cd /tmp/jax_sdpa_min && python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -40) || rc=1
   fi
   say "build took $(( $(date +%s) - start )) s"
-  python3 -c "
+  python3 -P -c "
 from jax_sdpa import _ext; print(_ext.status())
 m = _ext.module('_sdpa_cuda')
 print('cuDNN runtime', m.cudnn_version(), 'headers', m.cudnn_compiled_version(), 'frontend', m.cudnn_frontend_version())" || rc=1
@@ -56,9 +57,14 @@ fi
 if has tests; then
   say "GPU tests"
   # Several workers share the GPU: no preallocation, each grows as it needs.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} \
-    --timeout=120 --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} 2>&1 | tail -80 || rc=1
+  # Run from /tmp: a worker started in the repo root would import the source tree's
+  # jax_sdpa (no compiled modules) instead of the installed one.
+  repo=$(pwd)
+  paths=""; for t in ${TEST_PATHS:-tests}; do paths="$paths $repo/$t"; done
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout "${TEST_TIMEOUT:-300}" python3 -P -m pytest $paths -c "$repo/pyproject.toml" \
+      --rootdir "$repo" -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} --timeout=120 \
+      --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} 2>&1 | tail -80) || rc=1
 fi
 
 if has probe; then

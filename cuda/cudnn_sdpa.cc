@@ -420,7 +420,9 @@ Status get_plan(const SdpaParams& p, const Spec& s, DeviceState* dev,
 Status allocate(Scratch& scratch, size_t bytes, void** ptr, const char* what) {
   *ptr = nullptr;
   if (bytes == 0) return Status::Ok();
-  *ptr = scratch.allocate(bytes, 256);
+  // XLA's FFI allocator accepts alignments up to 16; its BFC allocator hands out
+  // 256-byte aligned blocks anyway, which is what cuDNN wants.
+  *ptr = scratch.allocate(bytes, 16);
   if (*ptr == nullptr)
     return Status::Error(Status::kResourceExhausted,
                          std::string("jax_sdpa cuDNN: could not allocate ") +
