@@ -8,6 +8,7 @@
 from jax_sdpa.api import (Explanation, dot_product_attention, explain,
                           scaled_dot_product_attention)
 from jax_sdpa.dispatch import IMPLEMENTATIONS
+from jax_sdpa.ring import ring_attention  # noqa: E402  context parallelism (shard_map)
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_sdpa import dispatch, reference
+from jax_sdpa import dispatch, reference, sharding
 from jax_sdpa.config import Config, StaticParams
 
 sdpa_fwd_p = Primitive("jax_sdpa_fwd")
@@ -160,6 +160,9 @@ def _lower(direction, platform):
     n_fixed = 3 if direction == "fwd" else 6
 
     def rule(ctx, *args, **kw):
+        # Multi-device jit: partition over batch/heads per shard (jax_sdpa/sharding.py).
+        if sharding.needs_partitioning(ctx):
+            return sharding.lower_partitioned(ctx, direction, args, kw)
         flags, params = _split_kwargs(kw)
         avals = ctx.avals_in
         # The optional operands start after q, k, v (fwd) or q, k, v, out, lse, dout (bwd).
@@ -189,6 +192,7 @@ for _direction, _prim in (("fwd", sdpa_fwd_p), ("bwd", sdpa_bwd_p)):
     mlir.register_lowering(_prim, _lower(_direction, None))
     for _platform in ("cpu", "cuda"):
         mlir.register_lowering(_prim, _lower(_direction, _platform), platform=_platform)
+sharding.register_primitives(sdpa_fwd_p, sdpa_bwd_p)  # multi-device lowering needs devices
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,260 @@
+"""SPMD partitioning of the attention primitives (batch and head sharding).
+
+Under `jax.jit` over several devices, XLA knows nothing about our primitives: a bare
+FFI custom call (or the reference lowering's reshapes) gets replicated, i.e. every
+operand is all-gathered. `primitives._lower` therefore hands a multi-device lowering to
+`lower_partitioned`, which wraps the same primitive in
+`jax.experimental.custom_partitioning`:
+
+- a Shardy `sharding_rule` (einsum-like, GQA heads as `(k g)`) drives propagation, with
+  the sequence and head-dim factors marked need-replication; GSPMD gets the equivalent
+  `infer_sharding_from_operands` callback;
+- the `partition` callback picks the supported layout from the operands' shardings:
+  batch split over the mesh axes that split q's batch dim, heads over the axes that split
+  q's head dim when the kv heads can be split consistently (`Hk % n == 0`; kv heads are
+  contiguous groups of query heads) or kv is shared by all heads (MQA, `Hk == 1`: k/v
+  replicated, dk/dv psum'd over those axes). Everything else (sequence, head dim, an
+  inconsistent head split) is resharded to replicated by XLA before the call -- slower,
+  never wrong;
+- per shard, the primitive is bound again on the local shapes (a fully manual context),
+  so the platform lowering chooses the kernel (FFI or the pure-JAX reference) for the
+  shard's shapes.
+
+Inside `shard_map` (fully manual) the primitive already sees per-shard shapes and lowers
+directly. Partially manual contexts and meshless multi-device programs fall back to the
+plain lowering (correct, replicated over the automatic axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numpy as np
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+try:  # private, but the only way to know what kind of program we are lowering
+    from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
+except ImportError:  # pragma: no cover - a future jax moved them: never partition
+    ShardingContext = SPMDAxisContext = ()
+
+_OPTIONAL_KEYS = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")
+
+
+def register_primitives(*prims):
+    """Make jit pass the device assignment when lowering programs that use `prims`
+    (custom_partitioning needs it; jax's own cuDNN attention does the same)."""
+    try:
+        from jax._src import dispatch as jax_dispatch
+        jax_dispatch.prim_requires_devices_during_lowering.update(prims)
+    except (ImportError, AttributeError):  # pragma: no cover - then we never partition
+        pass
+
+
+def needs_partitioning(ctx) -> bool:
+    """True when lowering for an automatically partitioned multi-device program."""
+    ac = ctx.module_context.axis_context
+    if ShardingContext and isinstance(ac, ShardingContext):
+        return ac.num_devices > 1 and ac.device_assignment is not None
+    return False  # shard_map (manual), pmap, single device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static shapes of one primitive call (operand positions per docs/ffi_contract.md)."""
+
+    direction: str  # "fwd" | "bwd"
+    seq_major: bool
+    batch: int
+    heads_q: int
+    heads_kv: int
+    shapes: tuple  # every operand's shape
+
+    @property
+    def n_fixed(self):
+        return 3 if self.direction == "fwd" else 6
+
+    @property
+    def head_axis(self):
+        return 2 if self.seq_major else 1
+
+    @staticmethod
+    def from_avals(direction, avals, seq_major):
+        q, k = avals[0].shape, avals[1].shape
+        h = 2 if seq_major else 1
+        return _Layout(direction, bool(seq_major), int(q[0]), int(q[h]), int(k[h]),
+                       tuple(tuple(a.shape) for a in avals))
+
+
+# ---------------------------------------------------------------------------
+# the plan: which devices split batch and heads
+#
+# The partition callback gets raw shardings (decode_shardings=False): under an
+# Auto-mode jit without `with mesh:` there is no mesh to decode them against. So we
+# read q's (else k's) tile assignment and build a mesh of our own whose axes are its
+# batch tiles, its head tiles and everything else; operands and results are then
+# NamedShardings on that mesh, with the sequence and head-dim tiles folded into the
+# "rest" axis, i.e. replicated.
+
+_B, _H, _REST = "sdpa_batch", "sdpa_heads", "sdpa_rest"
+
+
+def _tile_devices(sharding, ndim):
+    """Devices shaped [tiles of dim 0..ndim-1, replication], or None if not tiled."""
+    try:
+        hs = sharding._to_xla_hlo_sharding(ndim)
+        devices = np.asarray(sharding._device_assignment, dtype=object)
+    except Exception:  # noqa: BLE001 - an exotic sharding: treat as replicated
+        return None
+    if hs.is_replicated() or hs.is_maximal() or not hs.is_tiled():
+        return None
+    dims = list(hs.tile_assignment_dimensions())
+    if len(dims) > ndim and not hs.replicate_on_last_tile_dim() and any(
+            "REPLICATED" not in str(t) for t in hs.subgroup_types()):
+        return None  # manual/unreduced subgroups: not ours to split
+    ids = np.asarray(hs.tile_assignment_devices())
+    return devices[ids].reshape(dims[:ndim] + [math.prod(dims[ndim:])])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    mesh: Mesh
+    batch_axes: tuple
+    head_axes: tuple
+    kv_split: bool  # kv heads split like the query heads (else replicated: MQA)
+
+
+def _plan(layout: _Layout, shardings) -> _Plan:
+    h = layout.head_axis
+    tiles = _tile_devices(shardings[0], 4)
+    if tiles is None:
+        tiles = _tile_devices(shardings[1], 4)
+    if tiles is None:
+        devices = np.asarray(shardings[0]._device_assignment, dtype=object)
+        return _Plan(Mesh(devices.reshape(1, 1, -1), (_B, _H, _REST)), (), (), True)
+    tb, th = tiles.shape[0], tiles.shape[h]
+    order = [0, h] + [i for i in range(tiles.ndim) if i not in (0, h)]
+    mesh = Mesh(tiles.transpose(order).reshape(tb, th, -1), (_B, _H, _REST))
+    hq, hk = layout.heads_q, layout.heads_kv
+    batch = (_B,) if tb > 1 and layout.batch % tb == 0 else ()
+    heads = (_H,) if th > 1 and hq % th == 0 and (hk % th == 0 or hk == 1) else ()
+    return _Plan(mesh, batch, heads, not heads or hk % th == 0)
+
+
+def _axes(t):
+    return None if not t else (t[0] if len(t) == 1 else t)
+
+
+def _specs(layout: _Layout, plan: _Plan):
+    """(operand specs, result specs) for a plan."""
+    b, h = _axes(plan.batch_axes), _axes(plan.head_axes)
+    kvh = h if plan.kv_split else None
+
+    def seq(bb, hh):  # a [B, H, L, D] / [B, L, H, D] tensor
+        return P(bb, None, hh, None) if layout.seq_major else P(bb, hh, None, None)
+
+    q_spec, kv_spec, lse_spec = seq(b, h), seq(b, kvh), P(b, h, None)
+    specs = [q_spec, kv_spec, kv_spec]
+    if layout.direction == "bwd":
+        specs += [q_spec, lse_spec, q_spec]
+    mask_s, sinks_s, ql_s, kvl_s = layout.shapes[layout.n_fixed:]
+    specs.append(P(None) if len(mask_s) != 4 else
+                 P(b if mask_s[0] == layout.batch else None,
+                   h if mask_s[1] == layout.heads_q else None, None, None))
+    specs.append(P(None) if len(sinks_s) != 2 else
+                 P(b if sinks_s[0] == layout.batch else None, h))
+    for s in (ql_s, kvl_s):
+        specs.append(P(b) if s[0] == layout.batch and s[0] > 0 else P(None))
+    results = [q_spec, lse_spec] if layout.direction == "fwd" else [q_spec, kv_spec, kv_spec]
+    return specs, results
+
+
+# ---------------------------------------------------------------------------
+# the Shardy rule
+
+def _sharding_rule(layout: _Layout):
+    """Einsum-like rule and the factors that must stay replicated."""
+    hq, hk = layout.heads_q, layout.heads_kv
+    if hk == hq:
+        qh, kh = "k", "k"
+    elif hk == 1:
+        qh, kh = "g", "k"
+    else:
+        qh, kh = "(k g)", "k"
+
+    def seq(hh, last, length):
+        dims = ["b", length, hh, last] if layout.seq_major else ["b", hh, length, last]
+        return " ".join(dims)
+
+    q, k, v = seq(qh, "d", "t"), seq(kh, "d", "s"), seq(kh, "e", "s")
+    out, lse = seq(qh, "e", "t"), f"b {qh} t"
+    operands = [q, k, v]
+    if layout.direction == "bwd":
+        operands += [out, lse, out]
+    mask_s, sinks_s, ql_s, kvl_s = layout.shapes[layout.n_fixed:]
+    full = {0: layout.batch, 1: hq, 2: layout.shapes[0][1 if layout.seq_major else 2],
+            3: layout.shapes[1][1 if layout.seq_major else 2]}
+    if len(mask_s) == 4:
+        names = ("b", qh, "t", "s")
+        operands.append(" ".join(names[i] if mask_s[i] == full[i] else f"m{i}"
+                                 for i in range(4)))
+    else:
+        operands.append("zmask")
+    if len(sinks_s) == 2:
+        operands.append(("b" if sinks_s[0] == layout.batch else "sb") + f" {qh}")
+    else:
+        operands.append("zsinks")
+    operands.append("b" if ql_s[0] == layout.batch and ql_s[0] > 0 else "zql")
+    operands.append("b" if kvl_s[0] == layout.batch and kvl_s[0] > 0 else "zkvl")
+    results = [out, lse] if layout.direction == "fwd" else [q, k, v]
+    rule = ", ".join(operands) + " -> " + ", ".join(results)
+    factors = {"g": hq // hk} if qh == "(k g)" else {}
+    return rule, ("t", "d", "s", "e"), factors  # in order of appearance (sdy wants it)
+
+
+# ---------------------------------------------------------------------------
+# the wrapped call
+
+def lower_partitioned(ctx, direction, args, kw):
+    """Lowering of sdpa_{fwd,bwd}_p as a custom_partitioning op (see module doc)."""
+    from jax_sdpa import primitives  # primitives imports us
+
+    prim = primitives.sdpa_fwd_p if direction == "fwd" else primitives.sdpa_bwd_p
+    layout = _Layout.from_avals(direction, ctx.avals_in, kw["seq_major"])
+
+    def body(*xs):
+        return tuple(prim.bind(*xs, **kw))
+
+    def partition(mesh, arg_shapes, result_shape):
+        del mesh  # empty without `with mesh:`; ours comes from the operands
+        plan = _plan(layout, [a.sharding for a in arg_shapes])
+        specs, results = _specs(layout, plan)
+
+        def per_shard(*xs):
+            outs = tuple(prim.bind(*xs, **kw))
+            if direction == "bwd" and plan.head_axes and not plan.kv_split:
+                # MQA: every head shard holds the whole kv; its dk/dv are partial sums.
+                outs = (outs[0],) + tuple(lax.psum(o, plan.head_axes) for o in outs[1:])
+            return outs
+
+        named = lambda ss: tuple(NamedSharding(plan.mesh, s) for s in ss)  # noqa: E731
+        return plan.mesh, per_shard, named(results), named(specs)
+
+    def infer(mesh, arg_shapes, result_shape):  # GSPMD (jax_use_shardy_partitioner=False)
+        plan = _plan(layout, [a.sharding for a in arg_shapes])
+        return tuple(NamedSharding(plan.mesh, s) for s in _specs(layout, plan)[1])
+
+    op = custom_partitioning(body)
+    rule, replicated, factors = _sharding_rule(layout)
+    try:
+        op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                         decode_shardings=False, sharding_rule=rule,
+                         need_replication_factors=replicated, **factors)
+    except TypeError:  # a jax without need_replication_factors: propagation may
+        # suggest sequence shardings, which `partition` then reshards away
+        op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                         decode_shardings=False, sharding_rule=rule, **factors)
+    return mlir.lower_fun(lambda *xs: op(*xs), multiple_results=True)(ctx, *args)
+

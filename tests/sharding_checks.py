@@ -1,0 +1,291 @@
+"""Multi-device checks for tests/test_sharding.py, run in a subprocess:
+
+    python tests/sharding_checks.py {partition|ring} {xla|cpu}
+
+JAX must see 8 CPU devices, which has to be set before it initializes, and pytest's
+process has initialized it long before; so the test runs this script with XLA_FLAGS set.
+Prints one line per check: `CHECK <name> ok|FAIL <detail>`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import re  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_sdpa  # noqa: E402
+from jax_sdpa import ring as ring_mod  # noqa: E402
+
+IMPL = "xla"
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
+               "reduce-scatter")
+_rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def normal(*shape):
+    return jnp.asarray(_rng.standard_normal(shape), jnp.float32)
+
+
+def mesh(shape, names):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def collectives(compiled_text):
+    return sorted(set(re.findall("|".join(COLLECTIVES), compiled_text)))
+
+
+def close(got, want, what, tol=3e-5):
+    for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        err = np.max(np.abs(g - w)) / max(1.0, np.max(np.abs(w)))
+        if not np.isfinite(g).all() or err > tol:
+            raise AssertionError(f"{what}[{i}]: max error {err:.3g} > {tol}")
+
+
+def value_and_grads(f, argnums):
+    """(out, grads) of a scalar loss that weights every output element differently."""
+    def loss(*a):
+        out = f(*a)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32) * 1.7)), out
+
+    def run(*a):
+        (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(*a)
+        return out, grads
+
+    return run
+
+
+def check_partitioned(f, args, shardings, argnums, *, allowed_fwd=(), allowed_grad=(),
+                      kernel_shape=None):
+    """f under jit on sharded args equals the unsharded call, forward and grads, and the
+    compiled programs contain only the allowed collectives."""
+    want = jax.jit(value_and_grads(f, argnums))(*args)
+    placed = [jax.device_put(a, s) for a, s in zip(args, shardings)]
+    lowered = jax.jit(f).lower(*placed)
+    assert "CustomSPMDPartitioning" in lowered.as_text(), "the primitive was not partitioned"
+    fwd = lowered.compile()  # compiled once: run it and read its HLO
+    close(fwd(*placed), want[0], "out")
+    text = fwd.as_text()
+    bad = [c for c in collectives(text) if c not in allowed_fwd]
+    assert not bad, f"forward has {bad}"
+    fused = IMPL not in ("xla", "xla_chunked")
+    if kernel_shape is not None and fused:
+        calls = [ln for ln in text.splitlines() if f"jax_sdpa_{IMPL}_fwd" in ln]
+        assert calls and all(kernel_shape in ln for ln in calls), \
+            f"kernel not called per shard ({kernel_shape}): {calls[:1]}"
+    grad = jax.jit(value_and_grads(f, argnums)).lower(*placed).compile()
+    close(grad(*placed), want, "grads")
+    text = grad.as_text()
+    bad = [c for c in collectives(text) if c not in allowed_grad]
+    assert not bad, f"grad has {bad}"
+    if kernel_shape is not None and fused:
+        assert f"jax_sdpa_{IMPL}_bwd" in text, "backward kernel not in the program"
+
+
+# ---------------------------------------------------------------------------
+# partitioning of the primitives
+
+def sdpa(**kw):
+    return lambda q, k, v, *rest: jax_sdpa.scaled_dot_product_attention(
+        q, k, v, implementation=IMPL, **kw)
+
+
+def p_gqa_batch_heads():
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(4, 8, 16, 8), normal(4, 4, 16, 8), normal(4, 4, 16, 8)
+    s = NamedSharding(m, P("b", "h"))
+    check_partitioned(sdpa(mask="causal"), (q, k, v), (s, s, s), (0, 1, 2),
+                      kernel_shape="f32[2,2,16,8]")
+
+
+def p_batch_mask_sinks_lengths():
+    m = mesh((8,), ("b",))
+    q, k, v = normal(8, 2, 12, 8), normal(8, 2, 20, 8), normal(8, 2, 20, 4)
+    mask = normal(8, 1, 12, 20)
+    sinks = normal(2)
+    lengths = jnp.asarray(_rng.integers(1, 21, 8), jnp.int32)
+
+    def f(q, k, v, mask, sinks, lengths):
+        return jax_sdpa.scaled_dot_product_attention(
+            q, k, v, mask=mask, sinks=sinks, key_value_seq_lengths=lengths,
+            implementation=IMPL)
+
+    sb, rep = NamedSharding(m, P("b")), NamedSharding(m, P())
+    check_partitioned(f, (q, k, v, mask, sinks, lengths), (sb, sb, sb, sb, rep, sb),
+                      (0, 1, 2, 3, 4), kernel_shape="f32[1,2,12,8]",
+                      # the sinks gradient sums over the batch shards
+                      allowed_grad=("all-reduce",))
+
+
+def p_seq_major_jax_nn():
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 16, 8, 8), normal(2, 16, 4, 8), normal(2, 16, 4, 8)
+
+    def f(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, is_causal=True, implementation=IMPL)
+
+    s = NamedSharding(m, P("b", None, "h"))
+    check_partitioned(f, (q, k, v), (s, s, s), (0, 1, 2), kernel_shape="f32[1,16,2,8]")
+
+
+def p_mqa_heads():
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 8, 16, 8), normal(2, 1, 16, 8), normal(2, 1, 16, 8)
+    sq, skv = NamedSharding(m, P("b", "h")), NamedSharding(m, P("b"))
+    # dk/dv of a kv head shared by the head shards are summed: one all-reduce
+    check_partitioned(sdpa(mask="causal"), (q, k, v), (sq, skv, skv), (0, 1, 2),
+                      allowed_grad=("all-reduce",), kernel_shape="f32[1,2,16,8]")
+
+
+def _resharded(spec_dims, shape_q, shape_kv):
+    m = mesh((8,), ("x",))
+    q, k, v = normal(*shape_q), normal(*shape_kv), normal(*shape_kv)
+    s = NamedSharding(m, P(*spec_dims))
+    anything = COLLECTIVES  # correctness only: XLA reshards to a supported layout
+    check_partitioned(sdpa(mask="causal"), (q, k, v), (s, s, s), (0, 1, 2),
+                      allowed_fwd=anything, allowed_grad=anything)
+
+
+def p_sequence_sharded():
+    _resharded((None, None, "x"), (2, 4, 32, 8), (2, 2, 32, 8))
+
+
+def p_head_dim_sharded():
+    _resharded((None, None, None, "x"), (2, 4, 16, 16), (2, 2, 16, 16))
+
+
+def p_inconsistent_gqa_heads():
+    # 4 head shards but only 2 kv heads: heads are gathered, never split wrongly
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 8, 16, 8), normal(2, 2, 16, 8), normal(2, 2, 16, 8)
+    s, skv = NamedSharding(m, P("b", "h")), NamedSharding(m, P("b"))
+    check_partitioned(sdpa(mask="causal"), (q, k, v), (s, skv, skv), (0, 1, 2),
+                      allowed_fwd=COLLECTIVES, allowed_grad=COLLECTIVES)
+
+
+def p_gspmd_partitioner():
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        p_gqa_batch_heads()
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", old)
+
+
+def p_vmap_under_jit():
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 4, 4, 16, 8), normal(2, 4, 4, 16, 8), normal(2, 4, 4, 16, 8)
+    f = jax.vmap(sdpa(mask="causal"))
+    s = NamedSharding(m, P(None, "b", "h"))
+    check_partitioned(f, (q, k, v), (s, s, s), (0, 1, 2), allowed_fwd=COLLECTIVES,
+                      allowed_grad=COLLECTIVES)
+
+
+PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_seq_major_jax_nn, p_mqa_heads,
+             p_sequence_sharded, p_head_dim_sharded, p_inconsistent_gqa_heads,
+             p_gspmd_partitioner, p_vmap_under_jit]
+
+
+# ---------------------------------------------------------------------------
+# ring attention
+
+def check_ring(n, shape_q, shape_kv, *, mask, layout, sinks=False, batch_axis=None,
+               check_vma=True):
+    names = ("sp",) if batch_axis is None else ("dp", "sp")
+    m = mesh((n,) if batch_axis is None else (batch_axis, n), names)
+    q, k, v = normal(*shape_q), normal(*shape_kv), normal(*shape_kv)
+    s = normal(shape_q[1]) if sinks else None
+    spec = P(None if batch_axis is None else "dp", None, "sp")
+
+    def full(q, k, v, s):
+        return jax_sdpa.scaled_dot_product_attention(q, k, v, mask=mask, sinks=s,
+                                                     implementation=IMPL)
+
+    def local(q, k, v, s):
+        return jax_sdpa.ring_attention(q, k, v, axis_name="sp", mask=mask, sinks=s,
+                                       layout=layout, implementation=IMPL)
+
+    zig = layout == "zigzag"
+    perm = (lambda x: ring_mod.to_zigzag(x, n)) if zig else (lambda x: x)
+    unperm = (lambda x: ring_mod.from_zigzag(x, n)) if zig else (lambda x: x)
+    sm = jax.shard_map(local, mesh=m, in_specs=(spec, spec, spec, P()), out_specs=spec,
+                       check_vma=check_vma)
+
+    def ringed(q, k, v, s):
+        return unperm(sm(perm(q), perm(k), perm(v), s))
+
+    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+    want = jax.jit(value_and_grads(full, argnums))(q, k, v, s)
+    step = jax.jit(value_and_grads(ringed, argnums)).lower(q, k, v, s).compile()
+    close(step(q, k, v, s), want, "ring (out, grads)")
+    text = step.as_text()
+    assert "collective-permute" in text, "no ring passing in the program"
+    if IMPL not in ("xla", "xla_chunked"):
+        assert f"jax_sdpa_{IMPL}_fwd" in text and f"jax_sdpa_{IMPL}_bwd" in text, \
+            "the ring steps do not run the fused kernel"
+
+
+def r_causal_contiguous_gqa_sinks():
+    check_ring(4, (2, 4, 32, 8), (2, 2, 32, 8), mask="causal", layout=None, sinks=True)
+
+
+def r_causal_zigzag():
+    check_ring(4, (1, 2, 32, 8), (1, 2, 32, 8), mask="causal", layout="zigzag")
+
+
+def r_noncausal_cross_lengths():
+    check_ring(4, (2, 2, 16, 8), (2, 1, 32, 8), mask=None, layout=None)
+
+
+def r_zigzag_with_batch_axis_no_vma():
+    check_ring(4, (2, 2, 16, 8), (2, 2, 16, 8), mask="causal", layout="zigzag",
+               sinks=True, batch_axis=2, check_vma=False)
+
+
+def r_zigzag_helpers_roundtrip():
+    x = normal(1, 1, 24, 2)
+    z = ring_mod.to_zigzag(x, 3)
+    np.testing.assert_array_equal(ring_mod.from_zigzag(z, 3), x)
+    chunks = np.asarray(z).reshape(6, 4, 2)  # device i: chunks i and 2n-1-i
+    order = ring_mod.zigzag_order(3)
+    np.testing.assert_array_equal(order, [0, 5, 1, 4, 2, 3])
+    np.testing.assert_array_equal(chunks[1], np.asarray(x).reshape(6, 4, 2)[5])
+
+
+RING = [r_causal_contiguous_gqa_sinks, r_causal_zigzag, r_noncausal_cross_lengths,
+        r_zigzag_with_batch_axis_no_vma, r_zigzag_helpers_roundtrip]
+
+
+def main():
+    global IMPL
+    group, IMPL = sys.argv[1], sys.argv[2]
+    assert len(jax.devices()) >= 8, jax.devices()
+    checks = {"partition": PARTITION, "ring": RING, "all": PARTITION + RING}[group]
+    only = sys.argv[3:]
+    for check in checks:
+        if only and check.__name__ not in only:
+            continue
+        start = time.time()
+        try:
+            check()
+            print(f"CHECK {check.__name__} ok {time.time() - start:.1f}s", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every check
+            detail = f"{type(e).__name__}: {e}".replace("\n", " | ")[:2000]
+            print(f"CHECK {check.__name__} FAIL {detail}", flush=True)
+            traceback.print_exc(file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
