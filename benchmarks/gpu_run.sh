@@ -56,15 +56,16 @@ fi
 
 if has tests; then
   say "GPU tests"
-  # Several workers share the GPU: no preallocation, each grows as it needs.
+  # Several workers share the GPU (no preallocation, each grows as it needs); many
+  # because cuDNN compiles each new attention kernel at run time, on the CPU.
   # Run from /tmp: a worker started in the repo root would import the source tree's
   # jax_sdpa (no compiled modules) instead of the installed one.
   repo=$(pwd)
   paths=""; for t in ${TEST_PATHS:-tests}; do paths="$paths $repo/$t"; done
   (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout "${TEST_TIMEOUT:-300}" python3 -P -m pytest $paths -c "$repo/pyproject.toml" \
-      --rootdir "$repo" -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} --timeout=120 \
-      --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} 2>&1 | tail -80) || rc=1
+    timeout -s INT "${TEST_TIMEOUT:-300}" python3 -P -m pytest $paths -c "$repo/pyproject.toml" \
+      --rootdir "$repo" -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-12} --timeout=120 -rfEx --tb=short \
+      --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} 2>&1 | grep -v -i "benchmark" | tail -300) || rc=1
 fi
 
 if has probe; then

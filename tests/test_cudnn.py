@@ -210,7 +210,8 @@ CASES = {
 
 BWD_CASES = ["plain", "gqa_odd_dv", "causal_br_short_q", "causal_top_left", "window_tl_both",
              "lengths_causal", "kv_lengths_only", "bias_per_head", "bool_mask_empty_rows",
-             "sinks_causal_lengths", "d256", "decode_half_cache"]
+             "sinks_causal_lengths", "d256", "decode_half_cache", "window_left_only",
+             "d192_dv128"]
 
 
 def make_inputs(c, dtype, key):
@@ -254,6 +255,19 @@ def to_layout(x, seq_major):
 
 VARIANTS = [("bfloat16", False), ("float16", True)]  # (dtype, seq_major)
 
+# Features whose support depends on the installed cuDNN; a refusal must come as our
+# readable error, and is reported (xfail) with cuDNN's own reason.
+DEPENDS_ON_CUDNN = {"sinks_per_batch", "window_left_only", "d192_dv128", "bias_causal_br_fwd"}
+
+
+def run_case(name, fn, *args):
+    try:
+        return jax.block_until_ready(fn(*args))
+    except Exception as e:  # noqa: BLE001
+        if name in DEPENDS_ON_CUDNN and "can't serve this attention call" in str(e):
+            pytest.xfail(f"cuDNN refuses {name}: {str(e)[:600]}")
+        raise
+
 
 @pytest.mark.parametrize("dtype,seq_major", VARIANTS, ids=["bf16-BHLD", "f16-BLHD"])
 @pytest.mark.parametrize("name", list(CASES))
@@ -261,7 +275,7 @@ def test_forward_contract(name, dtype, seq_major, key):
     (q, k, v, mask, sinks, ql, kvl), flags = make_inputs(CASES[name], dtype, key)
     lay = lambda x: to_layout(x, seq_major)  # noqa: E731
     fn = jax.jit(lambda *a: ffi_fwd(*a, **flags, seq_major=seq_major))
-    out, lse = fn(lay(q), lay(k), lay(v), mask, sinks, ql, kvl)
+    out, lse = run_case(name, fn, lay(q), lay(k), lay(v), mask, sinks, ql, kvl)
     out = to_layout(out, seq_major)
     want, want_lse = reference(q, k, v, mask, sinks, ql, kvl, **flags)
     low, _ = reference(q, k, v, mask, sinks, ql, kvl, **flags, low=DT[dtype])
@@ -294,7 +308,7 @@ def test_backward_contract(name, dtype, seq_major, key):
         return ffi_bwd(q, k, v, out, lse, dout, mask, sinks, ql, kvl, **flags,
                        seq_major=seq_major)
 
-    got = ours(lay(q), lay(k), lay(v), lay(dout), mask, sinks, ql, kvl)
+    got = run_case(name, ours, lay(q), lay(k), lay(v), lay(dout), mask, sinks, ql, kvl)
     got = [to_layout(g, seq_major) for g in got]
 
     def grads(low):
