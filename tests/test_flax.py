@@ -143,8 +143,7 @@ def test_linen_self_attention_causal_and_padding(impl):
     _linen_check(ours, theirs, (x,), dict(mask=mask), seed)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_linen_cross_attention_padding(impl):
+def test_linen_cross_attention_padding(impl=None):
     seed = _seed()
     ks = jax.random.split(jax.random.key(seed), 2)
     xq = jax.random.normal(ks[0], (3, 5, 24))
@@ -231,8 +230,17 @@ GQA = [1, 2] if _nnx_supports_gqa() else [1]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_nnx_gqa_causal_padding(impl):
+    """Every implementation: GQA (where nnx has it) with a causal + padding mask."""
+    _nnx_self_attention(impl, GQA[-1], variants=False)
+
+
 @pytest.mark.parametrize("group", GQA)
-def test_nnx_self_attention_causal_padding(impl, group):
+def test_nnx_self_attention_causal_variants(group):
+    _nnx_self_attention(None, group, variants=True)
+
+
+def _nnx_self_attention(impl, group, variants):
     seed = _seed()
     ks = jax.random.split(jax.random.key(seed), 2)
     b, t, f, heads = 2, 11, 32, 4
@@ -245,6 +253,8 @@ def test_nnx_self_attention_causal_padding(impl, group):
         kw["num_kv_heads"] = heads // group
     ours, theirs = _nnx_pair(impl, seed, **kw)
     _nnx_check(ours, theirs, (x,), dict(mask=mask), seed)
+    if not variants:
+        return
     # nnx's own is_causal= flag, and make_attention_fn(is_causal=True)
     _nnx_check(ours, theirs, (x,), dict(is_causal=True), seed)
     causal_fn = make_attention_fn(is_causal=True, implementation=impl)
@@ -252,8 +262,7 @@ def test_nnx_self_attention_causal_padding(impl, group):
     _nnx_check(ours_c, theirs, (x,), dict(mask=nnx.make_causal_mask(jnp.ones((b, t)))), seed)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_nnx_cross_attention(impl):
+def test_nnx_cross_attention(impl=None):
     seed = _seed()
     ks = jax.random.split(jax.random.key(seed), 2)
     xq = jax.random.normal(ks[0], (2, 4, 16))

@@ -1,0 +1,1 @@
+"""Example models built on jax_sdpa (`jax_sdpa.examples.gpt`; needs flax)."""

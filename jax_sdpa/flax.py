@@ -1,0 +1,253 @@
+"""Flax attention functions backed by jax_sdpa.
+
+    import jax_sdpa.flax
+    nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=jax_sdpa.flax.attention_fn)
+    nnx.MultiHeadAttention(..., attention_fn=jax_sdpa.flax.make_attention_fn(is_causal=True))
+
+Both follow Flax's `dot_product_attention` convention: `(query, key, value, bias, mask,
+broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision, module, ...)`,
+layout `[batch..., L, N, H]` (any number of leading batch dims, or none), masks
+multiplicative (bool or numbers, nonzero = attend), bias additive, causal top-left (as
+`flax.nnx.make_causal_mask` and `jax.nn.dot_product_attention(is_causal=True)`).
+Key/value may have fewer heads than the query (GQA, as `nnx.MultiHeadAttention(num_kv_heads=)`).
+
+What cannot run fused is computed exactly the way Flax computes it, on an XLA path that
+materializes the attention weights (and is therefore only chosen when needed):
+- dropout on the attention weights (`dropout_rate > 0` and not `deterministic`): the same
+  Bernoulli draws as Flax's own for the same `dropout_rng`, so the results are Flax's;
+- `module=` (Flax sows the attention weights into the module's intermediates);
+- custom einsums (`qk_attn_weights_einsum`/`attn_weights_value_einsum`, `einsum_dot_general`);
+- a non-default `precision` off CPU (XLA:CPU multiplies float32 exactly anyway; on GPUs the
+  fused kernels' precision is that of `jax.default_matmul_precision`).
+With a named fused `implementation` those cases raise `NotImplementedError` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_sdpa import api
+
+__all__ = ["attention_fn", "make_attention_fn"]
+
+_EXACT_OK = (None, "xla")  # implementations under which the exact XLA path may be used
+
+
+def _flax_promote(arrays, dtype):
+    """Flax's promote_dtype: a common (inexact) dtype, or `dtype` when given."""
+    if dtype is None:
+        dtype = jnp.result_type(*arrays)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(jnp.float32, dtype)
+    return tuple(jnp.asarray(x, dtype) for x in arrays)
+
+
+def _precision_is_default(precision) -> bool:
+    if precision is None:
+        return True
+    if isinstance(precision, (tuple, list)):
+        return all(_precision_is_default(p) for p in precision)
+    if isinstance(precision, str):
+        return precision.lower() in ("default", "bfloat16", "fastest")
+    return precision == jax.lax.Precision.DEFAULT
+
+
+def _dropout_active(dropout_rate, deterministic) -> bool:
+    try:
+        return (not bool(deterministic)) and float(dropout_rate) > 0.0
+    except jax.errors.ConcretizationTypeError as e:
+        raise TypeError("jax_sdpa.flax: dropout_rate and deterministic must be static Python "
+                        "values (they decide which computation runs)") from e
+
+
+def _validate(query, key, value):
+    if not (query.ndim == key.ndim == value.ndim) or query.ndim < 3:
+        raise ValueError(f"query, key and value must have the same rank >= 3 "
+                         f"[batch..., L, N, H], got shapes {query.shape}, {key.shape}, "
+                         f"{value.shape}")
+    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
+        raise ValueError(f"query, key and value batch dims must match, got shapes "
+                         f"{query.shape}, {key.shape}, {value.shape}")
+    if key.shape[-3] != value.shape[-3] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key and value must have the same length and heads, got "
+                         f"{key.shape} and {value.shape}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key depths must match, got {query.shape} and {key.shape}")
+    if key.shape[-2] == 0 or query.shape[-2] % key.shape[-2]:
+        raise ValueError(f"query heads ({query.shape[-2]}) must be a multiple of key/value "
+                         f"heads ({key.shape[-2]})")
+
+
+def _bool_mask(mask):
+    mask = jnp.asarray(mask)
+    return mask if mask.dtype == jnp.bool_ else mask != 0  # Flax: nonzero = attend
+
+
+def _to_4d(x, batch_shape, name):
+    """A mask/bias broadcastable to [batch..., N, T, S] -> rank 4 with one batch dim
+    (kept 1 when it does not vary over the batch)."""
+    nb = len(batch_shape)
+    if x.ndim > nb + 3:
+        raise ValueError(f"{name} of shape {x.shape} has more dims than [batch..., N, T, S] "
+                         f"with batch dims {batch_shape}")
+    x = x.reshape((1,) * (nb + 3 - x.ndim) + x.shape)
+    lead, tail = x.shape[:nb], x.shape[nb:]
+    if all(d == 1 for d in lead):
+        return x.reshape((1,) + tail)
+    try:
+        x = jnp.broadcast_to(x, tuple(batch_shape) + tail)
+    except ValueError as e:
+        raise ValueError(f"{name} of shape {x.shape} is not broadcastable to the batch dims "
+                         f"{batch_shape}") from e
+    return x.reshape((math.prod(batch_shape),) + tail)
+
+
+def _sow(module, weights):
+    from flax import nnx  # only reached when a module asks for its weights
+
+    if isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    else:
+        module.sow("intermediates", "attention_weights", weights)
+
+
+def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+           dropout, dtype, precision, module, einsum_dot_general, qk_einsum, wv_einsum,
+           is_causal, sinks):
+    """Flax's own computation (attention weights materialized), generalized to GQA and
+    sinks, with the softmax in float32. Works on the original [batch..., L, N, H] layout
+    so that dropout draws exactly Flax's random bits."""
+    group = query.shape[-2] // key.shape[-2]
+    if group > 1:
+        key, value = jnp.repeat(key, group, axis=-2), jnp.repeat(value, group, axis=-2)
+    if qk_einsum is None:
+        dot = {} if einsum_dot_general is None else {"_dot_general": einsum_dot_general}
+        qk_einsum = lambda s, a, b: jnp.einsum(s, a, b, precision=precision, **dot)  # noqa: E731
+        wv_einsum = qk_einsum
+    depth = query.shape[-1]
+    query = query / jnp.sqrt(depth).astype(dtype)
+    w = qk_einsum("...qhd,...khd->...hqk", query, key)
+    if bias is not None:
+        w = w + bias
+    masks = [] if mask is None else [_bool_mask(mask)]
+    if is_causal:
+        t, s = w.shape[-2:]
+        masks.append(jnp.tril(jnp.ones((t, s), jnp.bool_)))
+    if masks:
+        keep = masks[0] if len(masks) == 1 else jnp.logical_and(*masks)
+        w = jnp.where(keep, w, jnp.finfo(dtype).min)
+    w = w.astype(jnp.float32)
+    if sinks is not None:
+        sink_col = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(-1, 1, 1),
+                                    w.shape[:-1] + (1,))
+        w = jax.nn.softmax(jnp.concatenate([w, sink_col], axis=-1), axis=-1)[..., :-1]
+    else:
+        w = jax.nn.softmax(w, axis=-1)
+    w = w.astype(dtype)
+    if module is not None:
+        _sow(module, w)
+    if dropout:
+        if dropout_rng is None:
+            raise ValueError("jax_sdpa.flax: dropout is active (dropout_rate > 0 and not "
+                             "deterministic) but no dropout_rng was given")
+        keep_prob = 1.0 - dropout_rate
+        if broadcast_dropout:  # shared across batch and heads, as in Flax
+            shape = (1,) * (key.ndim - 2) + w.shape[-2:]
+        else:
+            shape = w.shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        w = w * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+    return wv_einsum("...hqk,...khd->...qhd", w, value)
+
+
+def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+               deterministic, dtype, precision, module, einsum_dot_general,
+               qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype, is_causal,
+               implementation, sinks):
+    if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
+        raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum must be "
+                         "specified together")
+    if promote_dtype is not None:
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+        query, key, value = _flax_promote((query, key, value), dtype)
+    dtype = query.dtype
+    _validate(query, key, value)
+    dropout = _dropout_active(dropout_rate, deterministic)
+
+    reasons = []
+    if dropout:
+        reasons.append(f"dropout (rate {dropout_rate}) on the attention weights")
+    if module is not None:
+        reasons.append("module= (sowing the attention weights)")
+    if qk_attn_weights_einsum is not None or einsum_dot_general is not None:
+        reasons.append("custom einsums")
+    if not _precision_is_default(precision) and api._trace_platform() != "cpu":
+        reasons.append(f"precision={precision!r}")
+    if reasons:
+        if implementation not in _EXACT_OK:
+            raise NotImplementedError(
+                f"jax_sdpa.flax: implementation={implementation!r} can't serve this call: "
+                f"{', '.join(reasons)} needs the exact XLA path (implementation=None or 'xla')")
+        return _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+                      dropout_rate, dropout, dtype, precision, module, einsum_dot_general,
+                      qk_attn_weights_einsum, attn_weights_value_einsum, is_causal, sinks)
+
+    batch_shape = query.shape[:-3]
+    b = math.prod(batch_shape)
+    q4, k4, v4 = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
+    bias4 = None
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(jnp.promote_types(dtype, jnp.float32))
+        bias4 = _to_4d(bias, batch_shape, "bias")
+    mask4 = None if mask is None else _to_4d(_bool_mask(mask), batch_shape, "mask")
+    out = api.dot_product_attention(q4, k4, v4, bias=bias4, mask=mask4, is_causal=is_causal,
+                                    implementation=implementation, sinks=sinks)
+    return out.reshape(batch_shape + out.shape[1:])
+
+
+def make_attention_fn(is_causal: bool = False, implementation: Optional[str] = None,
+                      sinks=None) -> Callable[..., Any]:
+    """An `attention_fn` for Flax with fixed options.
+
+    is_causal: add a top-left causal mask (Flax's `make_causal_mask`); a call's own
+      `is_causal=True` (nnx passes one) also applies.
+    implementation: as in `jax_sdpa.dot_product_attention` (None: the fastest that serves).
+    sinks: optional `[num_heads]` attention-sink logits (gpt-oss).
+    """
+    if implementation is not None and implementation not in api.dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of "
+                         f"{api.dispatch.IMPLEMENTATIONS}, got {implementation!r}")
+    configured_causal = bool(is_causal)
+
+    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                     dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                     dtype=None, precision=None, module=None,
+                     force_fp32_for_softmax: bool = False, einsum_dot_general=None,
+                     qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+                     promote_dtype=None, is_causal: bool = False):
+        """Flax-compatible attention; see `jax_sdpa.flax`. The softmax is always float32,
+        so `force_fp32_for_softmax` is always honoured."""
+        del force_fp32_for_softmax
+        return _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+                          dropout_rate, deterministic, dtype, precision, module,
+                          einsum_dot_general, qk_attn_weights_einsum,
+                          attn_weights_value_einsum, promote_dtype,
+                          configured_causal or bool(is_causal), implementation, sinks)
+
+    attention_fn.__qualname__ = attention_fn.__name__ = "attention_fn"
+    attention_fn.__module__ = __name__
+    return attention_fn
+
+
+attention_fn = make_attention_fn()
+attention_fn.__doc__ = """Flax-compatible attention backed by jax_sdpa (the defaults of
+`make_attention_fn()`): `(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+dropout_rng=None, dropout_rate=0., deterministic=False, dtype=None, precision=None,
+module=None, ..., is_causal=False)` with layout [batch..., L, N, H]."""
