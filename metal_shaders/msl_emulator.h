@@ -154,7 +154,8 @@ inline void switch_to_scheduler(bool exiting = false) {
 }
 
 // Records the first error and parks the fiber forever (the scheduler abandons the group).
-[[noreturn]] inline void fail(const std::string& msg) {
+// Takes a C string: an abandoned fiber never unwinds, so it must own no heap objects.
+[[noreturn]] inline void fail(const char* msg) {
   Group* g = t_group;
   if (!g->failed) {
     g->failed = true;
@@ -294,8 +295,11 @@ inline void barrier(int line) {
     g.barrier_line = line;
     g.barrier_seq = f.barrier_seq;
   } else if (g.barrier_line != line || g.barrier_seq != f.barrier_seq) {
-    fail("divergent threadgroup_barrier: thread " + std::to_string(g.cur) + " at line " +
-         std::to_string(line) + " while others wait at line " + std::to_string(g.barrier_line));
+    char msg[256];
+    std::snprintf(msg, sizeof(msg),
+                  "divergent threadgroup_barrier: thread %d at line %d while others wait at line %d",
+                  g.cur, line, g.barrier_line);
+    fail(msg);
   }
   f.barrier_seq++;
   if (++g.barrier_arrived == g.nthreads) {
@@ -324,9 +328,12 @@ inline const unsigned char (*simd_exchange(const void* data, size_t n, const cha
     s.op = op;
     s.seq = f.simd_seq;
   } else if (s.line != line || s.seq != f.simd_seq || std::strcmp(s.op, op) != 0) {
-    fail(std::string("divergent simd op: lane ") + std::to_string(cur_lane()) + " of simdgroup " +
-         std::to_string(sg) + " at " + op + " line " + std::to_string(line) +
-         " while other lanes wait at " + s.op + " line " + std::to_string(s.line));
+    char msg[256];
+    std::snprintf(msg, sizeof(msg),
+                  "divergent simd op: lane %d of simdgroup %d at %s line %d while other lanes "
+                  "wait at %s line %d",
+                  cur_lane(), sg, op, line, s.op, s.line);
+    fail(msg);
   }
   f.simd_seq++;
   if (++s.arrived == lanes_in(g, sg)) {
@@ -556,7 +563,7 @@ template <class T>
 T simd_shuffle_xor(T x, ushort mask, int line = __builtin_LINE()) {
   return detail::simd_read(x, mslemu::cur_lane() ^ int(mask), "simd_shuffle_xor", line);
 }
-// Lanes whose source is out of range keep their own value, as on Apple GPUs.
+// A source lane out of range is not specified by MSL; here the lane keeps its own value.
 template <class T>
 T simd_shuffle_down(T x, ushort delta, int line = __builtin_LINE()) {
   return detail::simd_read(x, mslemu::cur_lane() + int(delta), "simd_shuffle_down", line);

@@ -1,1 +1,348 @@
-int main() { return 0; }
+// Self-test of the MSL emulator and of the attention kernels under it, without Python:
+//  - simdgroup_matrix fragment layout (Metal's, as documented by MLX/tinygrad) and MMA,
+//  - simd_* semantics, threadgroup memory + barriers,
+//  - divergent barriers, divergent simd ops and deadlocks are reported as errors,
+//  - every attention kernel on odd shapes vs a float64 reference (built with ASan by
+//    JAX_SDPA_METAL_EMULATOR_ASAN=ON, this is the out-of-bounds check of the kernels).
+// Built by metal_shaders/CMakeLists.txt with clang; run by CTest (metal_emu_selftest).
+#include "metal_shaders/runner_emulator.cc"  // plan + runner (before the MSL keywords exist)
+//
+#include "metal_shaders/host_emulator.cc"  // emulator + the project's kernels
+
+#include <random>
+
+static int g_failures = 0;
+#define CHECK(cond, ...)                                     \
+  do {                                                       \
+    if (!(cond)) {                                           \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);       \
+      std::printf(__VA_ARGS__);                              \
+      std::printf("\n");                                     \
+      ++g_failures;                                          \
+    }                                                        \
+  } while (0)
+
+// ---- test kernels (MSL) -------------------------------------------------------------------
+template <typename T>
+[[kernel]] void t_layout(device const float* src [[buffer(0)]], device float* lanes [[buffer(1)]],
+                         device float* prod [[buffer(2)]], uint3 tgp [[threadgroup_position_in_grid]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint tid [[thread_index_in_threadgroup]]) {
+  simdgroup_matrix<T, 8, 8> a, b, c;
+  simdgroup_load(a, src, 8);
+  simdgroup_load(b, src + 64, 8, ulong2(0), true);  // transposed
+  lanes[lane * 2] = float(a.thread_elements()[0]);
+  lanes[lane * 2 + 1] = float(a.thread_elements()[1]);
+  c = make_filled_simdgroup_matrix<T, 8, 8>(T(1));
+  simdgroup_multiply_accumulate(c, a, b, c);
+  simdgroup_store(c, prod, 8);
+}
+MSL_INSTANTIATE_KERNEL("t_layout_f32", t_layout, float)
+
+[[kernel]] void t_simd(device float* out [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                       uint sg [[simdgroup_index_in_threadgroup]],
+                       uint lane [[thread_index_in_simdgroup]],
+                       uint tid [[thread_index_in_threadgroup]]) {
+  MSL_TG_ARRAY(float, partial, 4);
+  const float x = float(tid);
+  const float s = simd_sum(x);
+  const float mx = simd_max(x);
+  const float xr = simd_shuffle_xor(x, ushort(5));
+  const float dn = simd_shuffle_down(x, ushort(3));
+  if (lane == 0) partial[sg] = s;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const float total = partial[0] + partial[1] + partial[2] + partial[3];
+  out[tid * 5 + 0] = s;
+  out[tid * 5 + 1] = mx;
+  out[tid * 5 + 2] = xr;
+  out[tid * 5 + 3] = dn;
+  out[tid * 5 + 4] = total + float(tgp.x) * 1000.0f;
+}
+template <typename T = void>
+[[kernel]] void t_simd_k(device float* out [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint tid [[thread_index_in_threadgroup]]) {
+  t_simd(out + tgp.x * 128 * 5, tgp, sg, lane, tid);
+}
+MSL_INSTANTIATE_KERNEL("t_simd", t_simd_k, void)
+
+template <typename T = void>
+[[kernel]] void t_div_barrier(device float* x [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                              uint sg [[simdgroup_index_in_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]],
+                              uint tid [[thread_index_in_threadgroup]]) {
+  if (tid < 16) return;  // early exit, then a barrier: undefined on a GPU
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  x[tid] = 1.0f;
+}
+MSL_INSTANTIATE_KERNEL("t_div_barrier", t_div_barrier, void)
+
+template <typename T = void>
+[[kernel]] void t_div_barrier2(device float* x [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                               uint sg [[simdgroup_index_in_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]],
+                               uint tid [[thread_index_in_threadgroup]]) {
+  if (sg == 0)
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // two different barriers
+  else
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  x[tid] = 1.0f;
+}
+MSL_INSTANTIATE_KERNEL("t_div_barrier2", t_div_barrier2, void)
+
+template <typename T = void>
+[[kernel]] void t_div_simd(device float* x [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                           uint sg [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  float v = 1.0f;
+  if (lane < 16)
+    v = simd_sum(v);
+  else
+    v = simd_max(v);
+  x[tid] = v;
+}
+MSL_INSTANTIATE_KERNEL("t_div_simd", t_div_simd, void)
+
+template <typename T = void>
+[[kernel]] void t_deadlock(device float* x [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                           uint sg [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  float v = 1.0f;
+  if (lane < 16) v = simd_sum(v);  // waits for lanes 16..31, which wait at the barrier
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  x[tid] = v;
+}
+MSL_INSTANTIATE_KERNEL("t_deadlock", t_deadlock, void)
+
+// ---- checks -----------------------------------------------------------------------------------
+static std::string launch1(const char* name, uint32_t gx, uint32_t threads,
+                           std::vector<void*> bufs) {
+  mslemu::Dim3 g;
+  g.x = gx;
+  return mslemu::launch(name, g, int(threads), bufs.data(), int(bufs.size()));
+}
+
+static void test_layout() {
+  std::vector<float> src(128), lanes(64), prod(64);
+  for (int i = 0; i < 128; ++i) src[i] = float(i % 64) * 0.25f - 3.0f + (i >= 64 ? 0.5f : 0.0f);
+  std::string e = launch1("t_layout_f32", 1, 32, {src.data(), lanes.data(), prod.data()});
+  CHECK(e.empty(), "t_layout: %s", e.c_str());
+  // Metal's 8x8 fragment layout, spelled out for a few lanes: lane -> (row, first column).
+  const int expect[][3] = {{0, 0, 0}, {1, 0, 2}, {2, 1, 0}, {3, 1, 2}, {4, 2, 0}, {6, 3, 0},
+                           {8, 0, 4}, {9, 0, 6}, {16, 4, 0}, {17, 4, 2}, {24, 4, 4}, {31, 7, 6}};
+  for (auto& x : expect) {
+    const int l = x[0], r = x[1], c = x[2];
+    CHECK(lanes[l * 2] == src[r * 8 + c] && lanes[l * 2 + 1] == src[r * 8 + c + 1],
+          "lane %d should hold row %d cols %d,%d", l, r, c, c + 1);
+  }
+  double err = 0;
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) {
+      double acc = 1.0;
+      for (int k = 0; k < 8; ++k) acc += double(src[i * 8 + k]) * src[64 + j * 8 + k];  // B^T
+      err = std::max(err, std::abs(acc - prod[i * 8 + j]));
+    }
+  CHECK(err < 1e-4, "simdgroup_multiply_accumulate error %g", err);
+}
+
+static void test_simd() {
+  std::vector<float> out(3 * 128 * 5);
+  std::string e = launch1("t_simd", 3, 128, {out.data()});
+  CHECK(e.empty(), "t_simd: %s", e.c_str());
+  for (int g = 0; g < 3; ++g)
+    for (int t = 0; t < 128; ++t) {
+      const float* o = &out[(g * 128 + t) * 5];
+      const int sg = t / 32, lane = t % 32;
+      const float sum = float(32 * sg * 32 + 31 * 32 / 2);
+      CHECK(o[0] == sum, "simd_sum tid %d: %g != %g", t, o[0], sum);
+      CHECK(o[1] == float(sg * 32 + 31), "simd_max tid %d", t);
+      CHECK(o[2] == float(sg * 32 + (lane ^ 5)), "simd_shuffle_xor tid %d", t);
+      CHECK(o[3] == float(lane + 3 < 32 ? t + 3 : t), "simd_shuffle_down tid %d", t);
+      CHECK(o[4] == float(127 * 128 / 2 + g * 1000), "barrier + threadgroup memory tid %d", t);
+    }
+}
+
+static void expect_error(const char* kernel, const char* needle) {
+  std::vector<float> x(64);
+  std::string e = launch1(kernel, 1, 64, {x.data()});
+  CHECK(e.find(needle) != std::string::npos, "%s: expected an error with '%s', got '%s'", kernel,
+        needle, e.c_str());
+  if (!e.empty()) std::printf("  %s reported: %s\n", kernel, e.c_str());
+}
+
+// ---- attention kernels vs float64 -------------------------------------------------------------
+namespace js = jax_sdpa;
+
+struct Problem {
+  int B, Hq, Hk, Lq, Lk, D, Dv;
+  bool causal, sinks, lengths;
+  const char* kernel;  // "full", "decode" or null
+  int splits;
+};
+
+static void test_attention(const Problem& pr, std::mt19937& rng) {
+  std::normal_distribution<float> nd;
+  auto fill = [&](std::vector<float>& v, size_t n) {
+    v.resize(n);
+    for (auto& x : v) x = nd(rng);
+  };
+  std::vector<float> q, k, v, sinks, dout;
+  fill(q, size_t(pr.B) * pr.Hq * pr.Lq * pr.D);
+  fill(k, size_t(pr.B) * pr.Hk * pr.Lk * pr.D);
+  fill(v, size_t(pr.B) * pr.Hk * pr.Lk * pr.Dv);
+  fill(sinks, size_t(pr.Hq));
+  fill(dout, size_t(pr.B) * pr.Hq * pr.Lq * pr.Dv);
+  std::vector<int32_t> qlen(pr.B), kvlen(pr.B);
+  for (int b = 0; b < pr.B; ++b) {
+    qlen[b] = pr.lengths ? (pr.Lq * (b + 1)) / (pr.B + 1) + (b == 0) : pr.Lq;
+    kvlen[b] = pr.lengths ? (pr.Lk * (b + 2)) / (pr.B + 2) : pr.Lk;
+  }
+  js::SdpaParams p;
+  p.batch = pr.B;
+  p.heads_q = pr.Hq;
+  p.heads_kv = pr.Hk;
+  p.len_q = pr.Lq;
+  p.len_kv = pr.Lk;
+  p.head_dim = pr.D;
+  p.head_dim_v = pr.Dv;
+  auto strides = [](int64_t h, int64_t l, int64_t d, int64_t s[3]) {
+    s[0] = h * l * d;
+    s[1] = l * d;
+    s[2] = d;
+  };
+  strides(pr.Hq, pr.Lq, pr.D, p.q_stride);
+  strides(pr.Hk, pr.Lk, pr.D, p.k_stride);
+  strides(pr.Hk, pr.Lk, pr.Dv, p.v_stride);
+  strides(pr.Hq, pr.Lq, pr.Dv, p.o_stride);
+  p.scale = 1.0 / std::sqrt(double(pr.D));
+  p.window_right = pr.causal ? 0 : -1;
+  p.bottom_right = true;
+  p.sinks = pr.sinks ? sinks.data() : nullptr;
+  p.sinks_batch_stride = 0;
+  p.q_lengths = pr.lengths ? qlen.data() : nullptr;
+  p.kv_lengths = pr.lengths ? kvlen.data() : nullptr;
+
+  // float64 reference: out, lse, P
+  const int G = pr.Hq / pr.Hk;
+  std::vector<double> ro(dout.size()), rl(size_t(pr.B) * pr.Hq * pr.Lq),
+      P(size_t(pr.B) * pr.Hq * pr.Lq * pr.Lk);
+  for (int b = 0; b < pr.B; ++b)
+    for (int h = 0; h < pr.Hq; ++h)
+      for (int i = 0; i < pr.Lq; ++i) {
+        const int hk = h / G, off = kvlen[b] - qlen[b];
+        const size_t row = (size_t(b) * pr.Hq + h) * pr.Lq + i;
+        std::vector<double> s(pr.Lk, -INFINITY);
+        double mx = pr.sinks ? sinks[h] : -INFINITY;
+        for (int j = 0; j < pr.Lk; ++j) {
+          if (i >= qlen[b] || j >= kvlen[b] || (pr.causal && j > i + off)) continue;
+          double d = 0;
+          for (int c = 0; c < pr.D; ++c)
+            d += double(q[row * pr.D + c]) * k[((size_t(b) * pr.Hk + hk) * pr.Lk + j) * pr.D + c];
+          s[j] = d * p.scale;
+          mx = std::max(mx, s[j]);
+        }
+        double tot = (pr.sinks && std::isfinite(mx)) ? std::exp(sinks[h] - mx) : 0.0;
+        for (int j = 0; j < pr.Lk; ++j)
+          if (std::isfinite(s[j])) tot += std::exp(s[j] - mx);
+        const bool live = i < qlen[b] && tot > 0;
+        rl[row] = live ? mx + std::log(tot) : -INFINITY;
+        for (int j = 0; j < pr.Lk; ++j) {
+          const double pj = live && std::isfinite(s[j]) ? std::exp(s[j] - rl[row]) : 0.0;
+          P[row * pr.Lk + j] = pj;
+          for (int c = 0; c < pr.Dv; ++c)
+            ro[row * pr.Dv + c] += pj * v[((size_t(b) * pr.Hk + hk) * pr.Lk + j) * pr.Dv + c];
+        }
+      }
+
+  if (pr.kernel) setenv("JAX_SDPA_METAL_KERNEL", pr.kernel, 1);
+  if (pr.splits) setenv("JAX_SDPA_METAL_SPLITS", std::to_string(pr.splits).c_str(), 1);
+  std::vector<float> out(ro.size(), NAN), lse(rl.size(), NAN);
+  js::SdpaFwdBuffers fio{q.data(), k.data(), v.data(), out.data(), lse.data()};
+  js::metal::Plan plan;
+  std::string e = js::metal::plan_forward(p, fio, &plan);
+  if (e.empty()) e = js::metal::runner()->run(plan);
+  unsetenv("JAX_SDPA_METAL_KERNEL");
+  unsetenv("JAX_SDPA_METAL_SPLITS");
+  CHECK(e.empty(), "forward: %s", e.c_str());
+  double eo = 0, el = 0;
+  for (size_t x = 0; x < ro.size(); ++x) eo = std::max(eo, std::abs(out[x] - ro[x]));
+  for (size_t x = 0; x < rl.size(); ++x)
+    el = std::max(el, std::isfinite(rl[x]) ? std::abs(lse[x] - rl[x])
+                                            : (lse[x] == rl[x] ? 0.0 : INFINITY));
+
+  // backward from the reference out/lse
+  std::vector<float> outf(ro.begin(), ro.end()), lsef(rl.begin(), rl.end());
+  std::vector<float> dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
+  js::SdpaBwdBuffers bio{q.data(), k.data(), v.data(), outf.data(), lsef.data(), dout.data(),
+                         dq.data(), dk.data(), dv.data()};
+  js::metal::Plan bplan;
+  e = js::metal::plan_backward(p, bio, &bplan);
+  if (e.empty()) e = js::metal::runner()->run(bplan);
+  CHECK(e.empty(), "backward: %s", e.c_str());
+  std::vector<double> rq(q.size()), rk(k.size()), rv(v.size());
+  for (int b = 0; b < pr.B; ++b)
+    for (int h = 0; h < pr.Hq; ++h)
+      for (int i = 0; i < pr.Lq; ++i) {
+        const int hk = h / G;
+        const size_t row = (size_t(b) * pr.Hq + h) * pr.Lq + i;
+        double delta = 0;
+        for (int c = 0; c < pr.Dv; ++c) delta += double(dout[row * pr.Dv + c]) * outf[row * pr.Dv + c];
+        for (int j = 0; j < pr.Lk; ++j) {
+          const double pj = P[row * pr.Lk + j];
+          if (pj == 0) continue;
+          const size_t kr = (size_t(b) * pr.Hk + hk) * pr.Lk + j;
+          double dp = 0;
+          for (int c = 0; c < pr.Dv; ++c) dp += double(dout[row * pr.Dv + c]) * v[kr * pr.Dv + c];
+          const double ds = pj * (dp - delta);
+          for (int c = 0; c < pr.D; ++c) {
+            rq[row * pr.D + c] += p.scale * ds * k[kr * pr.D + c];
+            rk[kr * pr.D + c] += p.scale * ds * q[row * pr.D + c];
+          }
+          for (int c = 0; c < pr.Dv; ++c) rv[kr * pr.Dv + c] += pj * dout[row * pr.Dv + c];
+        }
+      }
+  double eb = 0;
+  for (size_t x = 0; x < rq.size(); ++x) eb = std::max(eb, std::abs(dq[x] - rq[x]));
+  for (size_t x = 0; x < rk.size(); ++x) eb = std::max(eb, std::abs(dk[x] - rk[x]));
+  for (size_t x = 0; x < rv.size(); ++x) eb = std::max(eb, std::abs(dv[x] - rv[x]));
+  const bool ok = eo < 1e-4 && el < 1e-4 && eb < 1e-3;  // NaN fails every comparison
+  CHECK(ok, "attention B=%d Hq=%d Hk=%d Lq=%d Lk=%d D=%d Dv=%d: out %g lse %g bwd %g", pr.B,
+        pr.Hq, pr.Hk, pr.Lq, pr.Lk, pr.D, pr.Dv, eo, el, eb);
+  std::printf("%s attention B=%d Hq=%d Hk=%d Lq=%d Lk=%d D=%d Dv=%d causal=%d sinks=%d lengths=%d "
+              "kernel=%s splits=%d: out %.1e lse %.1e bwd %.1e\n",
+              ok ? "ok  " : "FAIL", pr.B, pr.Hq, pr.Hk, pr.Lq, pr.Lk, pr.D, pr.Dv, pr.causal,
+              pr.sinks, pr.lengths, pr.kernel ? pr.kernel : "auto", pr.splits, eo, el, eb);
+}
+
+int main() {
+  test_layout();
+  test_simd();
+  expect_error("t_div_barrier", "divergent threadgroup_barrier");
+  expect_error("t_div_barrier2", "divergent threadgroup_barrier");
+  expect_error("t_div_simd", "divergent simd op");
+  expect_error("t_deadlock", "deadlock");
+  std::mt19937 rng(1234);
+  const Problem problems[] = {
+      {2, 4, 2, 13, 21, 64, 64, true, false, true, nullptr, 0},
+      {1, 2, 1, 37, 29, 80, 80, false, true, false, nullptr, 0},
+      {1, 2, 2, 9, 40, 96, 64, true, true, true, nullptr, 0},
+      {1, 1, 1, 33, 17, 128, 128, true, false, false, nullptr, 0},
+      {1, 2, 1, 5, 9, 256, 256, false, false, false, nullptr, 0},
+      {1, 1, 1, 3, 11, 512, 512, true, true, false, "full", 0},
+      {2, 8, 2, 1, 70, 64, 64, false, true, true, nullptr, 0},
+      {1, 4, 1, 3, 53, 128, 96, true, false, true, "decode", 5},
+      {1, 2, 1, 1, 45, 512, 512, false, true, false, nullptr, 3},
+      {1, 2, 1, 2, 19, 256, 256, true, false, false, "decode", 0},
+  };
+  for (const Problem& pr : problems) test_attention(pr, rng);
+  if (g_failures) {
+    std::printf("%d check(s) FAILED\n", g_failures);
+    return 1;
+  }
+  std::printf("all emulator self-tests passed\n");
+  return 0;
+}
