@@ -12,8 +12,9 @@ operand is all-gathered. `primitives._lower` therefore hands a multi-device lowe
 - the `partition` callback picks the supported layout from the operands' shardings:
   batch split over the mesh axes that split q's batch dim, heads over the axes that split
   q's head dim when the kv heads can be split consistently (`Hk % n == 0`; kv heads are
-  contiguous groups of query heads) or kv is shared by all heads (MQA, `Hk == 1`: k/v
-  replicated, dk/dv psum'd over those axes). Everything else (sequence, head dim, an
+  contiguous groups of query heads), or, when there are more head shards than kv heads
+  (`n % Hk == 0`, MQA included) with each kv head split over the n/Hk shards whose
+  query heads use it; their dk/dv are then psum'd over those shards. Everything else (sequence, head dim, an
   inconsistent head split) is resharded to replicated by XLA before the call -- slower,
   never wrong;
 - per shard, the primitive is bound again on the local shapes (a fully manual context),
@@ -98,7 +99,8 @@ class _Layout:
 # NamedShardings on that mesh, with the sequence and head-dim tiles folded into the
 # "rest" axis, i.e. replicated.
 
-_B, _H, _REST = "sdpa_batch", "sdpa_heads", "sdpa_rest"
+_B, _HK, _HG, _REST = "sdpa_batch", "sdpa_kv_heads", "sdpa_head_group", "sdpa_rest"
+_AXES = (_B, _HK, _HG, _REST)
 
 
 def _tile_devices(sharding, ndim):
@@ -120,10 +122,11 @@ def _tile_devices(sharding, ndim):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    mesh: Mesh
-    batch_axes: tuple
-    head_axes: tuple
-    kv_split: bool  # kv heads split like the query heads (else replicated: MQA)
+    mesh: Mesh  # axes (_B, _HK, _HG, _REST)
+    batch_axes: tuple  # split the batch
+    head_axes: tuple  # split the query heads: (_HK, _HG)
+    kv_head_axes: tuple  # split the kv heads: (_HK,)
+    reduce_axes: tuple  # hold the same kv head: dk/dv are partial sums over these
 
 
 def _plan(layout: _Layout, shardings) -> _Plan:
@@ -133,14 +136,24 @@ def _plan(layout: _Layout, shardings) -> _Plan:
         tiles = _tile_devices(shardings[1], 4)
     if tiles is None:
         devices = np.asarray(shardings[0]._device_assignment, dtype=object)
-        return _Plan(Mesh(devices.reshape(1, 1, -1), (_B, _H, _REST)), (), (), True)
+        return _Plan(Mesh(devices.reshape(1, 1, 1, -1), _AXES), (), (), (), ())
     tb, th = tiles.shape[0], tiles.shape[h]
-    order = [0, h] + [i for i in range(tiles.ndim) if i not in (0, h)]
-    mesh = Mesh(tiles.transpose(order).reshape(tb, th, -1), (_B, _H, _REST))
     hq, hk = layout.heads_q, layout.heads_kv
     batch = (_B,) if tb > 1 and layout.batch % tb == 0 else ()
-    heads = (_H,) if th > 1 and hq % th == 0 and (hk % th == 0 or hk == 1) else ()
-    return _Plan(mesh, batch, heads, not heads or hk % th == 0)
+    # The n = th head shards hold contiguous query heads. Either each holds whole kv
+    # heads (Hk % n == 0) or n/Hk consecutive shards share one kv head (n % Hk == 0):
+    # the head tiles factor as (kv-head shards, shards per kv head) = (_HK, _HG).
+    if th > 1 and hq % th == 0 and hk % th == 0:
+        t_kv, t_group = th, 1
+    elif th > 1 and hq % th == 0 and th % hk == 0:
+        t_kv, t_group = hk, th // hk
+    else:  # no consistent split: the head tiles are folded into the replicated rest
+        t_kv = t_group = 1
+    order = [0, h] + [i for i in range(tiles.ndim) if i not in (0, h)]
+    mesh = Mesh(tiles.transpose(order).reshape(tb, t_kv, t_group, -1), _AXES)
+    heads = tuple(a for a, t in ((_HK, t_kv), (_HG, t_group)) if t > 1)
+    return _Plan(mesh, batch, heads, (_HK,) if t_kv > 1 else (),
+                 (_HG,) if t_group > 1 else ())
 
 
 def _axes(t):
@@ -149,8 +162,7 @@ def _axes(t):
 
 def _specs(layout: _Layout, plan: _Plan):
     """(operand specs, result specs) for a plan."""
-    b, h = _axes(plan.batch_axes), _axes(plan.head_axes)
-    kvh = h if plan.kv_split else None
+    b, h, kvh = _axes(plan.batch_axes), _axes(plan.head_axes), _axes(plan.kv_head_axes)
 
     def seq(bb, hh):  # a [B, H, L, D] / [B, L, H, D] tensor
         return P(bb, None, hh, None) if layout.seq_major else P(bb, hh, None, None)
@@ -234,9 +246,9 @@ def lower_partitioned(ctx, direction, args, kw):
 
         def per_shard(*xs):
             outs = tuple(prim.bind(*xs, **kw))
-            if direction == "bwd" and plan.head_axes and not plan.kv_split:
-                # MQA: every head shard holds the whole kv; its dk/dv are partial sums.
-                outs = (outs[0],) + tuple(lax.psum(o, plan.head_axes) for o in outs[1:])
+            if direction == "bwd" and plan.reduce_axes:
+                # several head shards use the same kv head: their dk/dv are partial sums
+                outs = (outs[0],) + tuple(lax.psum(o, plan.reduce_axes) for o in outs[1:])
             return outs
 
         named = lambda ss: tuple(NamedSharding(plan.mesh, s) for s in ss)  # noqa: E731

@@ -166,10 +166,22 @@ def p_head_dim_sharded():
     _resharded((None, None, None, "x"), (2, 4, 16, 16), (2, 2, 16, 16))
 
 
-def p_inconsistent_gqa_heads():
-    # 4 head shards but only 2 kv heads: heads are gathered, never split wrongly
+def p_more_head_shards_than_kv_heads():
+    # 4 head shards, 2 kv heads: each kv head split over the 2 shards that use it. k/v
+    # are replicated over "h" here, so their gradients must end up replicated too:
+    # dk/dv are summed over each pair (all-reduce) and gathered over the pairs
     m = mesh((2, 4), ("b", "h"))
     q, k, v = normal(2, 8, 16, 8), normal(2, 2, 16, 8), normal(2, 2, 16, 8)
+    s, skv = NamedSharding(m, P("b", "h")), NamedSharding(m, P("b"))
+    check_partitioned(sdpa(mask="causal"), (q, k, v), (s, skv, skv), (0, 1, 2),
+                      allowed_grad=("all-reduce", "all-gather"),
+                      kernel_shape="f32[1,2,16,8]")
+
+
+def p_indivisible_heads():
+    # 3 kv heads over 4 head shards: no consistent split, heads are gathered (correct)
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 12, 16, 8), normal(2, 3, 16, 8), normal(2, 3, 16, 8)
     s, skv = NamedSharding(m, P("b", "h")), NamedSharding(m, P("b"))
     check_partitioned(sdpa(mask="causal"), (q, k, v), (s, skv, skv), (0, 1, 2),
                       allowed_fwd=COLLECTIVES, allowed_grad=COLLECTIVES)
@@ -194,7 +206,8 @@ def p_vmap_under_jit():
 
 
 PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_seq_major_jax_nn, p_mqa_heads,
-             p_sequence_sharded, p_head_dim_sharded, p_inconsistent_gqa_heads,
+             p_sequence_sharded, p_head_dim_sharded, p_more_head_shards_than_kv_heads,
+             p_indivisible_heads,
              p_gspmd_partitioner, p_vmap_under_jit]
 
 
