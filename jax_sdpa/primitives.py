@@ -13,6 +13,7 @@ pure-JAX reference as the default lowering, and per-platform lowerings that ask
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +129,13 @@ def _bwd_impl(*args, **kw):
 
 def mlir_free_call(prim, args, kw):
     """Eager evaluation: compile the primitive alone (dispatch happens at lowering)."""
-    return jax.jit(lambda *a: prim.bind(*a, **kw))(*args)
+    return _jitted(prim, tuple(sorted(kw.items())))(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(prim, kw_items):
+    kw = dict(kw_items)
+    return jax.jit(lambda *a: prim.bind(*a, **kw))
 
 
 sdpa_fwd_p.def_impl(_fwd_impl)
