@@ -1,0 +1,522 @@
+"""Our CUDA decode kernels on the GPU: correctness matrix + timing beside the peers.
+
+Run on the H200 machine (one call does everything):
+    benchmarks/build_cuda_decode.sh && python3 benchmarks/gpu_decode.py --out $OUT
+
+Calls the FFI target `jax_sdpa_cuda_fwd` directly (jax.ffi.ffi_call) from the plain
+shared library that build_cuda_decode.sh makes, or, with --module, from the
+package's `jax_sdpa._sdpa_cuda` registrations. Sections (--only):
+  check      correctness vs a float64 reference (numpy, on the host), outputs poisoned
+  bench      PEERS.md decode rows + fp32 + B64 rows: ours vs jax.nn xla / cudnn, GB/s,
+             fraction of the measured device copy bandwidth
+  crossover  ours vs jax.nn cudnn over batch, keys and queries per kv head
+The lead's harness can import `run_check`, `run_bench`, `run_crossover`.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("JAX_SDPA_POISON_OUTPUTS", "1")
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+TARGET = "jax_sdpa_cuda_fwd"
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+
+
+# ---------------------------------------------------------------------------
+# registration + the call
+# ---------------------------------------------------------------------------
+def register(lib_path=None, use_module=False):
+    if use_module:
+        from jax_sdpa import _sdpa_cuda  # type: ignore
+
+        caps = _sdpa_cuda.registrations()
+        jax.ffi.register_ffi_target(TARGET, caps[TARGET], platform="CUDA")
+        return "module"
+    lib = ctypes.cdll.LoadLibrary(lib_path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, TARGET)), platform="CUDA")
+    return lib_path
+
+
+def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, wl=-1, wr=-1,
+         bottom_right=True, seq_major=False):
+    if seq_major:
+        B, Lq, Hq, D = q.shape
+    else:
+        B, Hq, Lq, D = q.shape
+    out_shape = q.shape[:-1] + (v.shape[-1],)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    zf = jnp.zeros((0,), jnp.float32)
+    zi = jnp.zeros((0,), jnp.int32)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Lq), jnp.float32)),
+    )
+    return call(q, k, v,
+                zf if mask is None else mask,
+                zf if sinks is None else sinks,
+                zi if qlen is None else qlen,
+                zi if kvlen is None else kvlen,
+                scale=float(scale), window_left=int(wl), window_right=int(wr),
+                bottom_right=bool(bottom_right), seq_major=bool(seq_major),
+                has_mask=mask is not None, has_sinks=sinks is not None,
+                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None)
+
+
+# ---------------------------------------------------------------------------
+# float64 reference of docs/ffi_contract.md (head-major arrays)
+# ---------------------------------------------------------------------------
+def reference(q, k, v, *, scale, mask=None, sinks=None, qlen=None, kvlen=None, wl=-1, wr=-1,
+              bottom_right=True):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    kk = np.repeat(k, G, axis=1)
+    vv = np.repeat(v, G, axis=1)
+    s = np.einsum("bhid,bhjd->bhij", q, kk) * scale
+    vis = np.ones((B, Hq, Lq, Lk), bool)
+    qvalid = np.ones((B, Lq), bool)
+    for b in range(B):
+        ql = Lq if qlen is None else int(np.clip(qlen[b], 0, Lq))
+        kl = Lk if kvlen is None else int(np.clip(kvlen[b], 0, Lk))
+        off = kl - ql if bottom_right else 0
+        i = np.arange(Lq)[:, None]
+        j = np.arange(Lk)[None, :]
+        d = j - (i + off)
+        vb = (i < ql) & (j < kl)
+        if wl >= 0:
+            vb &= d >= -wl
+        if wr >= 0:
+            vb &= d <= wr
+        vis[b] &= vb[None]
+        qvalid[b] = np.arange(Lq) < ql
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.dtype == np.bool_:
+            vis &= np.broadcast_to(m, vis.shape)
+        else:
+            s = s + np.broadcast_to(np.asarray(m, np.float64), s.shape)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        s = np.where(vis, s, -np.inf)
+        mx = s.max(axis=-1)
+        if sinks is not None:
+            sk = np.asarray(sinks, np.float64)
+            sk = np.broadcast_to(sk.reshape(sk.shape[0], Hq, 1), (B, Hq, Lq))
+            mx = np.maximum(mx, sk)
+        mfin = np.where(np.isfinite(mx), mx, 0.0)
+        p = np.exp(s - mfin[..., None])
+        tot = p.sum(-1)
+        if sinks is not None:
+            tot = tot + np.exp(sk - mfin)
+        lse = np.where(tot > 0, mfin + np.log(np.where(tot > 0, tot, 1.0)), -np.inf)
+        out = np.einsum("bhij,bhjd->bhid", p, vv) / np.where(tot > 0, tot, 1.0)[..., None]
+    empty = ~np.isfinite(lse) | ~qvalid[:, None, :]
+    lse = np.where(empty, -np.inf, lse)
+    out = np.where(empty[..., None], 0.0, out)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# correctness matrix
+# ---------------------------------------------------------------------------
+HEAD_DIMS = [(64, 64), (72, 72), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256),
+             (512, 512), (192, 128), (96, 64)]
+TOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.2e-2}
+
+
+def _cases():
+    cases = []
+    # every head dim x dtype, GQA 4, random kv lengths, sinks on odd ones
+    for n, (D, Dv) in enumerate(HEAD_DIMS):
+        for dt in ("bf16", "fp16", "fp32"):
+            cases.append(dict(name=f"D{D}/{Dv} {dt} gqa4 kvlen" + (" sinks" if n % 2 else ""),
+                              dt=dt, B=3, Hq=8, Hk=2, Lq=1, Lk=517 + 37 * n, D=D, Dv=Dv,
+                              kvlen="rand", sinks=(n % 2 == 1)))
+    for dt in ("bf16", "fp32", "fp16"):
+        D = 128
+        c = lambda **kw: dict(dt=dt, D=D, Dv=D, **kw)  # noqa: E731
+        cases += [
+            c(name=f"{dt} G8 Lk1000", B=2, Hq=32, Hk=4, Lq=1, Lk=1000),
+            c(name=f"{dt} MQA G16 (16 rows)", B=2, Hq=16, Hk=1, Lq=1, Lk=777, kvlen="rand"),
+            c(name=f"{dt} Lq3 G4 causal-br qlen kvlen", B=4, Hq=8, Hk=2, Lq=3, Lk=600, wr=0,
+              kvlen="rand", qlen="rand"),
+            c(name=f"{dt} Lq5 G8 causal top-left (3 row chunks)", B=2, Hq=16, Hk=2, Lq=5, Lk=300,
+              wr=0, bottom_right=False),
+            c(name=f"{dt} bool mask [B,1,Lq,Lk] + empty row", B=3, Hq=8, Hk=2, Lq=2, Lk=450,
+              mask="bool_b1"),
+            c(name=f"{dt} additive f32 mask [1,Hq,1,Lk]", B=2, Hq=8, Hk=2, Lq=1, Lk=640,
+              mask="add_f32"),
+            c(name=f"{dt} additive bf16 mask full with -inf", B=2, Hq=8, Hk=4, Lq=2, Lk=333,
+              mask="add_bf16_full"),
+            c(name=f"{dt} sinks [B,Hq] + kvlen 0 rows", B=3, Hq=8, Hk=2, Lq=1, Lk=500,
+              sinks="batch", kvlen="zero1"),
+            c(name=f"{dt} window 100 bottom-right", B=2, Hq=8, Hk=2, Lq=4, Lk=1200, wl=100, wr=0),
+            c(name=f"{dt} seq_major", B=2, Hq=8, Hk=2, Lq=2, Lk=700, seq_major=True,
+              kvlen="rand"),
+            c(name=f"{dt} Lk1", B=2, Hq=8, Hk=2, Lq=1, Lk=1),
+            c(name=f"{dt} Lk17 qlen0 row", B=2, Hq=8, Hk=2, Lq=1, Lk=17, qlen="zero1"),
+            c(name=f"{dt} Lk4250 long", B=1, Hq=8, Hk=8, Lq=1, Lk=4250),
+            c(name=f"{dt} B64 single pass", B=64, Hq=16, Hk=8, Lq=1, Lk=200, kvlen="rand",
+              sinks=True),
+        ]
+    for dt in ("bf16", "fp32"):
+        cases += [
+            dict(name=f"{dt} D512 G8 Lk3000 kvlen sinks", dt=dt, B=2, Hq=16, Hk=2, Lq=1,
+                 Lk=3000, D=512, Dv=512, kvlen="rand", sinks=True),
+            dict(name=f"{dt} D256 MQA Lq2 G8 (16 rows) causal", dt=dt, B=2, Hq=8, Hk=1, Lq=2,
+                 Lk=900, D=256, Dv=256, wr=0),
+        ]
+    return cases
+
+
+def _make_inputs(case, rng):
+    dt = DTYPES[case["dt"]]
+    B, Hq, Hk, Lq, Lk, D, Dv = (case[x] for x in ("B", "Hq", "Hk", "Lq", "Lk", "D", "Dv"))
+    q = jnp.asarray(rng.standard_normal((B, Hq, Lq, D)), dt)
+    k = jnp.asarray(rng.standard_normal((B, Hk, Lk, D)), dt)
+    v = jnp.asarray(rng.standard_normal((B, Hk, Lk, Dv)), dt)
+    kw = dict(wl=case.get("wl", -1), wr=case.get("wr", -1),
+              bottom_right=case.get("bottom_right", True))
+    kvl = case.get("kvlen")
+    if kvl == "rand":
+        kw["kvlen"] = rng.integers(0, Lk + 1, size=B).astype(np.int32)
+        kw["kvlen"][0] = Lk  # one full row
+        if B > 2:
+            kw["kvlen"][1] = Lk + 5  # clamped
+    elif kvl == "zero1":
+        kw["kvlen"] = np.full(B, Lk, np.int32)
+        kw["kvlen"][1] = 0
+    ql = case.get("qlen")
+    if ql == "rand":
+        kw["qlen"] = rng.integers(0, Lq + 1, size=B).astype(np.int32)
+    elif ql == "zero1":
+        kw["qlen"] = np.full(B, Lq, np.int32)
+        kw["qlen"][1] = 0
+    mk = case.get("mask")
+    if mk == "bool_b1":
+        m = rng.random((B, 1, Lq, Lk)) < 0.7
+        m[0, 0, 0, :] = False  # a fully masked row
+        kw["mask"] = m
+    elif mk == "add_f32":
+        kw["mask"] = rng.standard_normal((1, Hq, 1, Lk)).astype(np.float32)
+    elif mk == "add_bf16_full":
+        m = rng.standard_normal((B, Hq, Lq, Lk)).astype(np.float32)
+        m[rng.random(m.shape) < 0.3] = -np.inf
+        m[1, 2, 0, :] = -np.inf  # fully masked
+        kw["mask"] = np.asarray(jnp.asarray(m, jnp.bfloat16).astype(jnp.float32))
+        kw["mask_dtype"] = jnp.bfloat16
+    sk = case.get("sinks")
+    if sk is True:
+        kw["sinks"] = (rng.standard_normal((1, Hq)) * 2).astype(np.float32)
+    elif sk == "batch":
+        kw["sinks"] = (rng.standard_normal((B, Hq)) * 2).astype(np.float32)
+    return q, k, v, kw
+
+
+def run_check(seed=0, verbose=True, quick=False):
+    rng = np.random.default_rng(seed)
+    results = []
+    cases = _cases()
+    if quick:
+        cases = cases[::3]
+    for case in cases:
+        q, k, v, kw = _make_inputs(case, rng)
+        D = case["D"]
+        scale = 1.0 / math.sqrt(D)
+        seq_major = case.get("seq_major", False)
+        call_kw = dict(scale=scale, wl=kw["wl"], wr=kw["wr"], bottom_right=kw["bottom_right"],
+                       seq_major=seq_major)
+        for name in ("qlen", "kvlen", "sinks"):
+            if name in kw:
+                call_kw[name] = jnp.asarray(kw[name])
+        if "mask" in kw:
+            call_kw["mask"] = jnp.asarray(kw["mask"], kw.get("mask_dtype", None))
+        qi, ki, vi = q, k, v
+        if seq_major:
+            qi, ki, vi = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        rec = dict(case=case["name"], dtype=case["dt"],
+                   shape=[case[x] for x in ("B", "Hq", "Hk", "Lq", "Lk", "D", "Dv")])
+        if verbose:
+            print(f"...  {case['name']}", flush=True)  # names the case if the process dies
+        try:
+            out, lse = jax.jit(lambda a, b, c: ours(a, b, c, **call_kw))(qi, ki, vi)
+            out = np.asarray(out.astype(jnp.float32), np.float64)
+            lse = np.asarray(lse, np.float64)
+            if seq_major:
+                out = np.swapaxes(out, 1, 2)
+        except Exception as e:  # noqa: BLE001
+            rec.update(ok=False, error=str(e)[:400])
+            results.append(rec)
+            if verbose:
+                print(f"FAIL {case['name']}: {str(e)[:300]}", flush=True)
+            continue
+        ref_out, ref_lse = reference(
+            np.asarray(q.astype(jnp.float32)), np.asarray(k.astype(jnp.float32)),
+            np.asarray(v.astype(jnp.float32)), scale=scale,
+            mask=kw.get("mask"), sinks=kw.get("sinks"), qlen=kw.get("qlen"),
+            kvlen=kw.get("kvlen"), wl=kw["wl"], wr=kw["wr"], bottom_right=kw["bottom_right"])
+        nan = bool(np.isnan(out).any() or np.isnan(lse).any())
+        den = max(np.linalg.norm(ref_out), 1e-30)
+        rel = float(np.linalg.norm(out - ref_out) / den) if not nan else float("inf")
+        inf_ok = bool(np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)))
+        fin = np.isfinite(ref_lse)
+        lse_err = float(np.max(np.abs(lse[fin] - ref_lse[fin]) / np.maximum(1, np.abs(ref_lse[fin])))) \
+            if fin.any() and not nan else 0.0
+        zero_ok = bool(np.all(out[np.isneginf(ref_lse)] == 0))
+        ok = (not nan) and rel <= TOL[case["dt"]] and inf_ok and lse_err <= 1e-4 and zero_ok
+        rec.update(ok=ok, rel_err=rel, lse_err=lse_err, nan=nan, neg_inf_lse_match=inf_ok,
+                   empty_rows_zero=zero_ok, empty_rows=int((~fin).sum()))
+        results.append(rec)
+        if verbose:
+            print(f"{'ok  ' if ok else 'FAIL'} {case['name']:<48} rel={rel:.2e} lse={lse_err:.1e} "
+                  f"empty={rec['empty_rows']} nan={nan} infmatch={inf_ok} zeros={zero_ok}",
+                  flush=True)
+    n_ok = sum(r["ok"] for r in results)
+    print(f"check: {n_ok}/{len(results)} passed", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------
+def _time_loop(fn, args, K, reps=5):
+    """fn(q, *rest) -> out; K dependent calls (a tiny function of out is fed back into q)
+    unrolled in one jit; returns median seconds per call."""
+
+    def run(q, *rest):  # k, v are arguments, never captured constants
+        def body(_, q):
+            out = fn(q, *rest)
+            return q + (out.reshape(-1)[0] * 1e-30).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, K, body, q, unroll=True)
+
+    f = jax.jit(run)
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / K
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    """Device-to-device memcpy (cupy, CUDA events), counting read + write; falls
+    back to an XLA elementwise pass."""
+    try:
+        import cupy as cp  # type: ignore
+
+        a = cp.ones((nbytes,), cp.uint8)
+        b = cp.empty_like(a)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        ts = []
+        for i in range(12):
+            e0.record()
+            cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, 0)
+            e1.record()
+            e1.synchronize()
+            if i >= 2:
+                ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
+        del a, b
+        cp.get_default_memory_pool().free_all_blocks()
+        return 2 * nbytes / float(np.median(ts))
+    except Exception as e:  # noqa: BLE001
+        print("cupy copy failed, using XLA:", str(e)[:120], flush=True)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / float(np.median(ts))  # read + write
+
+
+BENCH_ROWS = [
+    # name, dtype, B, Hq, Hk, Lk, D
+    ("B8 H32/KV8 Lk8192 D128", "bf16", 8, 32, 8, 8192, 128),
+    ("B1 H32/KV8 Lk32768 D128", "bf16", 1, 32, 8, 32768, 128),
+    ("B1 H32/KV4 Lk8192 D512", "bf16", 1, 32, 4, 8192, 512),
+    ("B1 H32/KV4 Lk1024 D512 fp16", "fp16", 1, 32, 4, 1024, 512),
+    ("B64 H32/KV8 Lk2048 D128", "bf16", 64, 32, 8, 2048, 128),
+    ("B8 H32/KV8 Lk8192 D128 fp32", "fp32", 8, 32, 8, 8192, 128),
+    ("B1 H32/KV8 Lk32768 D128 fp32", "fp32", 1, 32, 8, 32768, 128),
+    ("B1 H32/KV4 Lk8192 D512 fp32", "fp32", 1, 32, 4, 8192, 512),
+    ("B64 H32/KV8 Lk2048 D128 fp32", "fp32", 64, 32, 8, 2048, 128),
+]
+
+
+def _row_inputs(dt, B, Hq, Hk, Lk, D, Lq=1, seed=1):
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    dtype = DTYPES[dt]
+    q = jax.random.normal(kq, (B, Hq, Lq, D), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, Hk, Lk, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, Hk, Lk, D), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _impls(dt, D, seq_major_too=False):
+    impls = {"ours": (lambda q, k, v: ours(q, k, v)[0], False)}
+    if seq_major_too:
+        impls["ours_seq_major"] = (lambda q, k, v: ours(q, k, v, seq_major=True)[0], True)
+    impls["jax.nn xla"] = (
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"), True)
+    if dt != "fp32" and D <= 256:
+        impls["jax.nn cudnn"] = (
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), True)
+    return impls
+
+
+def bench_one(dt, B, Hq, Hk, Lk, D, Lq=1, impls=None, target_s=2e-3):
+    q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D, Lq)
+    esz = jnp.dtype(DTYPES[dt]).itemsize
+    nbytes = esz * (2 * B * Hq * Lq * D + 2 * B * Hk * Lk * D)
+    est = nbytes / 3.0e12 + 8e-6
+    K = int(min(32, max(8, target_s / est)))
+    res = {}
+    for name, (fn, seq_major) in (impls or _impls(dt, D)).items():
+        args = (q, k, v)
+        if seq_major:
+            args = tuple(jnp.swapaxes(x, 1, 2) for x in args)
+        try:
+            t = _time_loop(fn, args, K)
+            res[name] = dict(us=t * 1e6, GBps=nbytes / t / 1e9)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            res[name] = dict(error=msg)
+    return nbytes, K, res
+
+
+def run_bench(copy_bw, rows=BENCH_ROWS):
+    out = []
+    for n, (name, dt, B, Hq, Hk, Lk, D) in enumerate(rows):
+        nbytes, K, res = bench_one(dt, B, Hq, Hk, Lk, D, impls=_impls(dt, D, seq_major_too=n < 2))
+        for r in res.values():
+            if "GBps" in r:
+                r["frac_copy"] = r["GBps"] * 1e9 / copy_bw
+        out.append(dict(case=name, dtype=dt, B=B, Hq=Hq, Hk=Hk, Lk=Lk, D=D, bytes=nbytes, K=K,
+                        results=res))
+        cells = []
+        for impl, r in res.items():
+            cells.append(f"{impl}: " + (f"{r['GBps']:.0f} GB/s {r['us']:.1f}us ({r['frac_copy']:.2f})"
+                                        if "GBps" in r else f"ERR {r['error'][:60]}"))
+        print(f"{name:<32} " + " | ".join(cells), flush=True)
+    return out
+
+
+def run_crossover():
+    pts = []
+    grid = [(B, Lk, 1) for B in (1, 8, 32, 128) for Lk in (512, 4096)]
+    grid += [(8, 4096, Lq) for Lq in (2, 4, 8, 16)]
+    for (B, Lk, Lq) in grid:
+        impls = {k_: v_ for k_, v_ in _impls("bf16", 128).items() if k_ in ("ours", "jax.nn cudnn")}
+        nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, 128, Lq=Lq, impls=impls, target_s=2e-3)
+        o = res.get("ours", {}).get("us")
+        c = res.get("jax.nn cudnn", {}).get("us")
+        pts.append(dict(B=B, Hq=32, Hk=8, Lk=Lk, Lq=Lq, rows_per_kv_head=4 * Lq, ours_us=o,
+                        cudnn_us=c, ratio=(c / o) if (o and c) else None))
+        print(f"crossover B{B} Lk{Lk} Lq{Lq} (rows/kv head {4 * Lq}): ours {o} us, cudnn {c} us, "
+              f"cudnn/ours {pts[-1]['ratio']}", flush=True)
+    return pts
+
+
+def env_info():
+    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                jax=jax.__version__, devices=[str(d) for d in jax.devices()])
+    try:
+        info["gpu"] = jax.devices()[0].device_kind
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = smi.stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from jax._src.lib import cuda_versions  # type: ignore
+
+        info["cudnn"] = cuda_versions.cudnn_get_version()
+        info["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+        info["cuda_driver"] = cuda_versions.cuda_driver_get_version()
+    except Exception as e:  # noqa: BLE001
+        info["versions_error"] = str(e)[:200]
+    try:
+        nv = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20)
+        info["nvcc"] = nv.stdout.strip().splitlines()[-1]
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default="build/decode/libjax_sdpa_cuda_decode.so")
+    ap.add_argument("--module", action="store_true", help="use jax_sdpa._sdpa_cuda")
+    ap.add_argument("--only", default="check,bench,crossover")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="every third check case")
+    ap.add_argument("--rows", default="", help="bench row indices, e.g. 0,2")
+    ap.add_argument("--tag", default="", help="added to the JSON file name")
+    args = ap.parse_args()
+    src = register(args.lib, args.module)
+    info = env_info()
+    info["ffi_source"] = src
+    info["knobs"] = {k: v for k, v in os.environ.items() if k.startswith("JAX_SDPA_")}
+    print(json.dumps(info), flush=True)
+    result = dict(env=info)
+    only = args.only.split(",")
+    t0 = time.time()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M")
+    path = os.path.join(args.out, f"gpu_decode_{'_'.join(only)}{args.tag}_{stamp}.json")
+
+    def save():  # after every section: a later crash or timeout keeps what was measured
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+
+    if "check" in only:
+        result["check"] = run_check(quick=args.quick)
+        save()
+        print(f"[check took {time.time() - t0:.0f}s]", flush=True)
+    if "bench" in only or "crossover" in only:
+        bw = copy_bandwidth()
+        result["copy_bandwidth_GBps"] = bw / 1e9
+        print(f"device copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
+    if "bench" in only:
+        rows = BENCH_ROWS
+        if args.rows:
+            rows = [BENCH_ROWS[int(i)] for i in args.rows.split(",")]
+        result["bench"] = run_bench(result["copy_bandwidth_GBps"] * 1e9, rows)
+        save()
+        print(f"[bench done at {time.time() - t0:.0f}s]", flush=True)
+    if "crossover" in only:
+        result["crossover"] = run_crossover()
+        save()
+        print(f"[crossover done at {time.time() - t0:.0f}s]", flush=True)
+    save()
+    print("wrote", path, flush=True)
+    failed = [r["case"] for r in result.get("check", []) if not r["ok"]]
+    if failed:
+        print("FAILED:", failed, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

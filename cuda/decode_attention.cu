@@ -1,0 +1,237 @@
+// Host side of our decode kernels: which (D, Dv) are built, the kernel
+// configuration per shape, the split-K heuristic and the launches.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "decode_attention.h"
+#include "decode_attention_kernels.h"
+
+namespace jax_sdpa {
+namespace cuda_decode {
+namespace {
+
+bool dims_built(int64_t d, int64_t dv) {
+#define JAX_SDPA_X(D_, DV_) \
+  if (d == D_ && dv == DV_) return true;
+  JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
+#undef JAX_SDPA_X
+  return false;
+}
+
+KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block) {
+  switch (dtype) {
+    case DType::kF32: return select_f32(d, dv);
+    case DType::kF16: return select_f16(d, dv, rows_per_block == 16);
+    case DType::kBF16: return select_bf16(d, dv, rows_per_block == 16);
+  }
+  return KernelInfo{};
+}
+
+// Device facts, read once per device.
+constexpr int kMaxCounters = 1 << 16;  // fused combine: units per launch
+
+struct DeviceFacts {
+  int sms = 0;
+  size_t max_smem_optin = 0;
+  int* counters = nullptr;  // kMaxCounters zeroed ints, self-resetting (never freed)
+};
+std::mutex g_mu;
+std::map<int, DeviceFacts> g_devices;
+std::map<std::pair<const void*, int>, int> g_occupancy;  // (kernel, device) -> blocks/SM
+
+cudaError_t device_facts(int device, DeviceFacts* out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_devices.find(device);
+  if (it != g_devices.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  DeviceFacts f;
+  int v = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  f.sms = v;
+  e = cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return e;
+  f.max_smem_optin = static_cast<size_t>(v);
+  e = cudaMalloc(&f.counters, kMaxCounters * sizeof(int));
+  if (e != cudaSuccess) return e;
+  e = cudaMemset(f.counters, 0, kMaxCounters * sizeof(int));
+  if (e != cudaSuccess) return e;
+  g_devices[device] = f;
+  *out = f;
+  return cudaSuccess;
+}
+
+// Raises the kernel's dynamic smem limit (once per device) and returns its
+// occupancy in blocks per SM.
+cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto key = std::make_pair(k.func, device);
+  auto it = g_occupancy.find(key);
+  if (it != g_occupancy.end()) {
+    *blocks = it->second;
+    return cudaSuccess;
+  }
+  cudaError_t e = cudaFuncSetAttribute(k.func, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(k.smem));
+  if (e != cudaSuccess) return e;
+  int n = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.func, k.threads, k.smem);
+  if (e != cudaSuccess) return e;
+  if (n < 1) n = 1;
+  g_occupancy[key] = n;
+  *blocks = n;
+  return cudaSuccess;
+}
+
+// Split count: fill the GPU with one wave of equal blocks. Efficiency of n
+// splits = useful fraction of the block slots over the waves it takes; take
+// more splits only for a clear gain (each adds partial traffic + a combine).
+int choose_splits(int64_t units, int64_t len_kv, int slots) {
+  const int64_t max_split = std::max<int64_t>(1, std::min<int64_t>(1024, len_kv / 128));
+  auto eff = [&](int64_t n) {
+    const double waves = static_cast<double>(units * n) / slots;
+    return waves / std::ceil(waves);
+  };
+  int64_t best = 1;
+  double best_eff = eff(1);
+  const int64_t limit = std::min<int64_t>(max_split, 2 * slots / std::max<int64_t>(1, units) + 2);
+  for (int64_t n = 2; n <= limit; ++n) {
+    const double e = eff(n);
+    if (e > best_eff + 0.03) {
+      best = n;
+      best_eff = e;
+    }
+  }
+  return static_cast<int>(best);
+}
+
+}  // namespace
+
+KernelInfo select_f32(int64_t d, int64_t dv) {
+#define JAX_SDPA_X(D_, DV_) \
+  if (d == D_ && dv == DV_) return simt_info<D_, DV_>();
+  JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
+#undef JAX_SDPA_X
+  return KernelInfo{};
+}
+
+std::string unsupported_reason(const SdpaParams& p) {
+  if (!dims_built(p.head_dim, p.head_dim_v))
+    return "head dims (D=" + std::to_string(p.head_dim) + ", Dv=" + std::to_string(p.head_dim_v) +
+           ") are not built (D=Dv in {64, 72, 80, 96, 128, 192, 256, 512}, or (192, 128), "
+           "(96, 64))";
+  const int64_t lim = (int64_t{1} << 31) - 1;
+  if (p.len_kv > lim || p.batch * p.heads_q * p.len_q > lim ||
+      p.batch * p.heads_kv * ((p.group() * p.len_q + 7) / 8) > lim)
+    return "shape too large for 32-bit block indexing";
+  return "";
+}
+
+cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int combine_mode,
+                      DecodePlan* plan) {
+  DeviceFacts f;
+  cudaError_t e = device_facts(device, &f);
+  if (e != cudaSuccess) return e;
+  const int64_t R = p.group() * p.len_q;
+  // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
+  int rb = 8;
+  if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb);
+  if (k.func == nullptr) return cudaErrorInvalidValue;
+  if (k.smem > f.max_smem_optin) return cudaErrorInvalidConfiguration;
+  int occ = 1;
+  e = occupancy(k, device, &occ);
+  if (e != cudaSuccess) return e;
+  plan->rows_per_block = rb;
+  plan->row_chunks = static_cast<int>((R + rb - 1) / rb);
+  plan->blocks_per_sm = occ;
+  plan->num_sms = f.sms;
+  plan->tensor_cores = k.tensor_cores;
+  const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
+  int n = force_splits > 0 ? force_splits : choose_splits(units, p.len_kv, f.sms * occ);
+  n = std::max(1, std::min(n, 65535));
+  plan->num_splits = n;
+  plan->fused_combine = n > 1 && combine_mode != 1 && units <= kMaxCounters;
+  plan->counters = plan->fused_combine ? f.counters : nullptr;
+  plan->scratch_bytes = 0;
+  if (n > 1) {
+    const int64_t rows = p.batch * p.heads_q * p.len_q;
+    const size_t o_bytes = static_cast<size_t>(n) * rows * p.head_dim_v * sizeof(float);
+    const size_t l_bytes = static_cast<size_t>(n) * rows * sizeof(float);
+    plan->scratch_bytes = (o_bytes + 255) / 256 * 256 + (l_bytes + 255) / 256 * 256;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodePlan& plan,
+                   void* scratch, cudaStream_t stream) {
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  if (rows == 0) return cudaSuccess;
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block);
+  if (k.func == nullptr) return cudaErrorInvalidValue;
+
+  Args a{};
+  a.q = buf.q;
+  a.k = buf.k;
+  a.v = buf.v;
+  a.out = buf.out;
+  a.lse = buf.lse;
+  a.B = static_cast<int>(p.batch);
+  a.Hq = static_cast<int>(p.heads_q);
+  a.Hk = static_cast<int>(p.heads_kv);
+  a.Lq = static_cast<int>(p.len_q);
+  a.Lk = static_cast<int>(p.len_kv);
+  a.G = static_cast<int>(p.group());
+  a.R = a.G * a.Lq;
+  a.RB = plan.rows_per_block;
+  a.row_chunks = plan.row_chunks;
+  a.nsplit = plan.num_splits;
+  a.rows = rows;
+  for (int i = 0; i < 3; ++i) {
+    a.qs[i] = p.q_stride[i];
+    a.ks[i] = p.k_stride[i];
+    a.vs[i] = p.v_stride[i];
+    a.os[i] = p.o_stride[i];
+  }
+  a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  a.wl = p.window_left;
+  a.wr = p.window_right;
+  a.bottom_right = p.bottom_right ? 1 : 0;
+  a.mask_kind = static_cast<int>(p.mask_kind);
+  a.mask_dtype = static_cast<int>(p.mask_dtype);
+  a.mask = p.mask;
+  for (int i = 0; i < 4; ++i) a.ms[i] = p.mask_stride[i];
+  a.sinks = p.sinks;
+  a.sinks_bs = p.sinks_batch_stride;
+  a.qlen = p.q_lengths;
+  a.kvlen = p.kv_lengths;
+  a.counters = plan.fused_combine ? plan.counters : nullptr;
+  if (plan.num_splits > 1) {
+    if (scratch == nullptr) return cudaErrorInvalidValue;
+    const size_t o_bytes =
+        static_cast<size_t>(plan.num_splits) * rows * p.head_dim_v * sizeof(float);
+    a.part_o = static_cast<float*>(scratch);
+    a.part_lse = reinterpret_cast<float*>(static_cast<char*>(scratch) + (o_bytes + 255) / 256 * 256);
+  }
+
+  const int64_t units = p.batch * p.heads_kv * plan.row_chunks;
+  dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
+  k.launch(a, grid, k.threads, k.smem, stream);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  if (plan.num_splits > 1 && !plan.fused_combine) {
+    k.combine(a, dim3(static_cast<unsigned>(rows)), stream);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace cuda_decode
+}  // namespace jax_sdpa

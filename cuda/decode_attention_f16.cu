@@ -1,0 +1,21 @@
+// f16 instantiations of our decode kernels (tensor cores); see decode_attention.cu.
+#include "decode_attention_kernels.h"
+
+namespace jax_sdpa {
+namespace cuda_decode {
+
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16) {
+#define JAX_SDPA_X(D_, DV_)                                   \
+  if (d == D_ && dv == DV_) {                                 \
+    if constexpr (DV_ <= 256) {                               \
+      if (rows16) return tc_info<__half, D_, DV_, 2>();     \
+    }                                                         \
+    return tc_info<__half, D_, DV_, 1>();                   \
+  }
+  JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
+#undef JAX_SDPA_X
+  return KernelInfo{};
+}
+
+}  // namespace cuda_decode
+}  // namespace jax_sdpa

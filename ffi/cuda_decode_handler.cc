@@ -1,0 +1,123 @@
+// XLA FFI handler `jax_sdpa_cuda_fwd`: our own CUDA decode kernels
+// (cuda/decode_attention.*) behind the forward contract of docs/ffi_contract.md.
+// Few-query attention (Lq * Hq/Hk small) over long key/value caches; the
+// backward of these shapes goes to cuDNN or the reference (same lse contract).
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "cuda/decode_attention.h"
+#include "cuda/ffi_registry.h"
+#include "ffi/ffi_decode.h"
+#include "ffi/sdpa_params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_sdpa {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_sdpa cuda decode: ") + what + ": " +
+                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+// Benchmarks may pin the split count: JAX_SDPA_CUDA_DECODE_SPLITS=n (0 = heuristic).
+int forced_splits() {
+  static const int n = [] {
+    const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_SPLITS");
+    return v ? std::atoi(v) : 0;
+  }();
+  return n;
+}
+
+// JAX_SDPA_CUDA_DECODE_COMBINE=kernel|fused: how split-K partials are merged
+// (default: fused, the last split block of each unit merges).
+int combine_mode() {
+  static const int m = [] {
+    const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_COMBINE");
+    if (v == nullptr) return 0;
+    if (std::string(v) == "kernel") return 1;
+    if (std::string(v) == "fused") return 2;
+    return 0;
+  }();
+  return m;
+}
+
+ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                       ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
+                       ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, double scale, int64_t window_left,
+                       int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
+                       bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, &p);
+      e.failure())
+    return e;
+  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
+  const std::string why = cuda_decode::unsupported_reason(p);
+  if (!why.empty())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda decode: " + why);
+
+  SdpaFwdBuffers buf;
+  buf.q = q.untyped_data();
+  buf.k = k.untyped_data();
+  buf.v = v.untyped_data();
+  buf.out = out->untyped_data();
+  buf.lse = static_cast<float*>(lse->untyped_data());
+
+  if (poison_outputs_requested()) {
+    cudaError_t e = cudaMemsetAsync(buf.out, 0xFF, out->size_bytes(), stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(buf.lse, 0xFF, lse->size_bytes(), stream);
+    if (e != cudaSuccess) return cuda_error("poisoning outputs", e);
+  }
+  if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
+
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_error("cudaGetDevice", e);
+  cuda_decode::DecodePlan plan;
+  e = cuda_decode::make_plan(p, device, forced_splits(), combine_mode(), &plan);
+  if (e != cudaSuccess) return cuda_error("planning the launch", e);
+  void* work = nullptr;
+  if (plan.scratch_bytes > 0) {
+    // XLA's FFI allocator refuses alignments over 16 (its blocks are 256-aligned anyway).
+    auto mem = scratch.Allocate(plan.scratch_bytes, 16);
+    if (!mem.has_value())
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jax_sdpa cuda decode: could not allocate " +
+                            std::to_string(plan.scratch_bytes) + " bytes of split-K scratch");
+    work = *mem;
+  }
+  (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
+  e = cuda_decode::launch(p, buf, plan, work, stream);
+  if (e != cudaSuccess) return cuda_error("kernel launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_sdpa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_sdpa_cuda_fwd, jax_sdpa::CudaFwdImpl,
+    jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // q
+                                  .Arg<xla::ffi::AnyBuffer>()   // k
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // sinks
+                                  .Arg<xla::ffi::AnyBuffer>()   // q_lengths
+                                  .Arg<xla::ffi::AnyBuffer>()   // kv_lengths
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>()));  // lse
+
+JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd);
