@@ -7,6 +7,22 @@
 #include "metal_shaders/sdpa_decode.metal"
 #include "metal_shaders/sdpa_forward.metal"
 
+// float -> bfloat conversions compile to a call of this compiler-rt helper, which older libgccs
+// (Debian 12's) lack; defining it here (round to nearest even, NaN stays NaN) spares the
+// module a dependency on libclang-rt. Hidden, so it never interposes on anyone else's.
+extern "C" __attribute__((visibility("hidden"))) __bf16 __truncsfbf2(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  uint16_t h;
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    h = uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  else
+    h = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  __bf16 r;
+  std::memcpy(&r, &h, sizeof(r));
+  return r;
+}
+
 extern "C" int jax_sdpa_metal_emu_launch(const char* kernel, const uint32_t grid[3],
                                          uint32_t threads, void* const* buffers, int nbuffers,
                                          char* err, size_t errlen) {

@@ -133,11 +133,15 @@ class MetalRunner : public Runner {
     if (library_ == nil) {
       MTLCompileOptions* opts = [MTLCompileOptions new];
       opts.languageVersion = MTLLanguageVersion3_1;  // bfloat
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
       if (@available(macOS 15.0, *)) {
         opts.mathMode = MTLMathModeSafe;
       } else {
         opts.fastMathEnabled = NO;
       }
+#else
+      opts.fastMathEnabled = NO;
+#endif
       library_ = [device_ newLibraryWithSource:[NSString stringWithUTF8String:kJaxSdpaMetalSource]
                                        options:opts
                                          error:&e];

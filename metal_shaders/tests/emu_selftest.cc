@@ -318,7 +318,22 @@ static void test_attention(const Problem& pr, std::mt19937& rng) {
               pr.sinks, pr.lengths, pr.kernel ? pr.kernel : "auto", pr.splits, eo, el, eb);
 }
 
+static void test_bfloat() {
+  // Round to nearest even at the halfway points; NaN and infinities survive.
+  const float in[] = {1.00390625f, 1.01171875f, -2.5f, 3.0e38f, 1.0e-40f, INFINITY};
+  const float want[] = {1.0f, 1.015625f, -2.5f, 3.0040553e38f, 9.1835496e-41f, INFINITY};  // ml_dtypes
+  for (int i = 0; i < 6; ++i) {
+    const float got = float(bfloat(in[i]));
+    CHECK(got == want[i] || std::abs(got - want[i]) <= 1e-6f * std::abs(want[i]),
+          "bfloat(%g) = %g, want %g", in[i], got, want[i]);
+  }
+  CHECK(std::isnan(float(bfloat(NAN))), "bfloat(NaN) is not NaN");
+  CHECK(float(half(1.0009765625f)) == 1.0009765625f && float(half(65520.0f)) == INFINITY,
+        "half conversions");
+}
+
 int main() {
+  test_bfloat();
   test_layout();
   test_simd();
   expect_error("t_div_barrier", "divergent threadgroup_barrier");
