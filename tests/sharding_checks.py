@@ -129,6 +129,39 @@ def p_batch_mask_sinks_lengths():
                       allowed_grad=("all-reduce",))
 
 
+def p_heads_full_mask_sinks_qlengths():
+    # a per-head bool mask and the sinks are split with the query heads
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 8, 12, 8), normal(2, 4, 12, 8), normal(2, 4, 12, 8)
+    mask = jnp.asarray(_rng.random((2, 8, 12, 12)) < 0.7)
+    sinks = normal(8)
+    lengths = jnp.asarray([12, 7], jnp.int32)
+
+    def f(q, k, v, mask, sinks, lengths):
+        return jax_sdpa.scaled_dot_product_attention(
+            q, k, v, mask=mask, sinks=sinks, query_seq_lengths=lengths,
+            implementation=IMPL)
+
+    s = NamedSharding(m, P("b", "h"))
+    check_partitioned(f, (q, k, v, mask, sinks, lengths),
+                      (s, s, s, s, NamedSharding(m, P("h")), NamedSharding(m, P("b"))),
+                      (0, 1, 2, 4), kernel_shape="f32[1,2,12,8]",
+                      allowed_grad=("all-reduce",))  # the sinks gradient sums over b
+
+
+def p_explicit_mesh():
+    if not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"):
+        return  # an older jax: no explicit sharding mode
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((2, 4), ("b", "h"), axis_types=(explicit, explicit),
+                      devices=jax.devices()[:8])
+    q, k, v = normal(2, 8, 16, 8), normal(2, 4, 16, 8), normal(2, 4, 16, 8)
+    s = NamedSharding(m, P("b", "h"))
+    with jax.set_mesh(m):
+        check_partitioned(sdpa(mask="causal"), (q, k, v), (s, s, s), (0, 1, 2),
+                          kernel_shape="f32[1,2,16,8]")
+
+
 def p_seq_major_jax_nn():
     m = mesh((2, 4), ("b", "h"))
     q, k, v = normal(2, 16, 8, 8), normal(2, 16, 4, 8), normal(2, 16, 4, 8)
@@ -205,7 +238,8 @@ def p_vmap_under_jit():
                       allowed_grad=COLLECTIVES)
 
 
-PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_seq_major_jax_nn, p_mqa_heads,
+PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_heads_full_mask_sinks_qlengths,
+             p_explicit_mesh, p_seq_major_jax_nn, p_mqa_heads,
              p_sequence_sharded, p_head_dim_sharded, p_more_head_shards_than_kv_heads,
              p_indivisible_heads,
              p_gspmd_partitioner, p_vmap_under_jit]
