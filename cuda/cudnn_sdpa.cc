@@ -522,6 +522,12 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
       return cuda_status(cudnn_kernels::fix_forward_rows(p, b.out, b.lse, stream),
                          "row fix-up kernel");
     if (Status st = check_dtype(p); !st.ok()) return st;
+    // cuDNN's SINK_TOKEN is one logit per head: a [B, Hq, 1, 1] tensor built and
+    // ran on cuDNN 9.19 but gave wrong outputs (H200 test), so refuse it here.
+    if (p.sinks != nullptr && p.sinks_batch_stride != 0 && p.batch > 1)
+      return Status::Error(Status::kUnimplemented,
+                           "jax_sdpa: cuDNN takes one sink logit per head ([1, Hq]); per-batch "
+                           "sinks [B, Hq] are not supported (" + shape_str(p) + ")");
     int device = 0;
     if (Status st = current_device(&device); !st.ok()) return st;
     DeviceState* dev = nullptr;

@@ -165,12 +165,16 @@ def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
                        "cuDNN >= 9.10.2, found " + _cudnn_version_str(version))
     if cfg.has_sinks and version < 91300:
         return _no("attention sinks need cuDNN >= 9.13, found " + _cudnn_version_str(version))
-    if direction == "bwd":
-        if cfg.len_q == 1 and cfg.len_kv == 1:
-            return _no("cuDNN's backward has no kernel for Lq = Lk = 1")
-        if aligned_br and cfg.mask_kind != MASK_NONE:
-            return _no("cuDNN's backward does not combine a bottom-right aligned "
-                       "causal/window with a mask or bias")
+    if cfg.has_sinks and cfg.batch > 1 and getattr(cfg, "sinks_batch", 1) > 1:
+        return _no("cuDNN takes one sink logit per head; per-batch sinks [B, Hq] are "
+                   "not supported")
+    if aligned_br and cfg.mask_kind != MASK_NONE:
+        # cuDNN 9.19: "Bottom right causal mask is only supported with is_bias=False"
+        # (forward and backward); a bool mask is passed as a bias too.
+        return _no("cuDNN does not combine a bottom-right aligned causal/window "
+                   "(Lq != Lk or lengths) with a mask or bias")
+    if direction == "bwd" and cfg.len_q == 1 and cfg.len_kv == 1:
+        return _no("cuDNN's backward has no kernel for Lq = Lk = 1")
     what = "fused flash attention"
     if cfg.mask_kind == MASK_BOOL:
         what += " (the bool mask becomes an additive -inf bias)"

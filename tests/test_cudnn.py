@@ -193,15 +193,12 @@ CASES = {
                                mshape=("b", 1, "q", "k")),
     "bias_key_broadcast_inf": dict(b=2, hq=4, hk=4, lq=64, lk=96, d=64, mask="addinf",
                                    mshape=(1, 1, 1, "k")),
-    "bias_causal_br_fwd": dict(b=2, hq=4, hk=4, lq=64, lk=128, d=64, mask="add",
-                               mshape=(1, "h", "q", "k"), wr=0, br=True),
     "bool_mask_empty_rows": dict(b=2, hq=4, hk=2, lq=64, lk=80, d=64, mask="bool",
                                  mshape=("b", 1, "q", "k")),
     "bool_mask_causal": dict(b=2, hq=4, hk=4, lq=64, lk=64, d=64, mask="bool",
                              mshape=(1, "h", "q", "k"), wr=0),
     "sinks_causal_lengths": dict(b=3, hq=4, hk=2, lq=48, lk=96, d=64, sinks=1, wr=0, br=True,
                                  ql=True, kvl=True),
-    "sinks_per_batch": dict(b=2, hq=4, hk=4, lq=64, lk=64, d=64, sinks=2),
     "decode_half_cache": dict(b=4, hq=32, hk=8, lq=1, lk=1024, d=128, wr=0, br=True, kvl="half"),
     "d72": dict(b=1, hq=4, hk=4, lq=100, lk=100, d=72, wr=0),
     "d256": dict(b=1, hq=2, hk=2, lq=200, lk=200, d=256),
@@ -257,7 +254,7 @@ VARIANTS = [("bfloat16", False), ("float16", True)]  # (dtype, seq_major)
 
 # Features whose support depends on the installed cuDNN; a refusal must come as our
 # readable error, and is reported (xfail) with cuDNN's own reason.
-DEPENDS_ON_CUDNN = {"sinks_per_batch", "window_left_only", "d192_dv128", "bias_causal_br_fwd"}
+DEPENDS_ON_CUDNN = {"window_left_only", "d192_dv128"}
 
 
 def run_case(name, fn, *args):
@@ -340,9 +337,51 @@ def test_float32_is_refused_with_a_reason(key):
 
 
 def test_unsupported_head_dim_maps_to_a_readable_error(key):
-    q = jax.random.normal(key, (1, 2, 64, 512), jnp.float32).astype(jnp.bfloat16)
+    # cuDNN wants head dims that are multiples of 8; its support check's message
+    # must come back readable. (D = 512 is *not* refused by cuDNN 9.19 on the H200.)
+    q = jax.random.normal(key, (1, 2, 64, 36), jnp.float32).astype(jnp.bfloat16)
     with pytest.raises(Exception, match="can't serve this attention call"):
-        jax.block_until_ready(jax.jit(lambda q: ffi_fwd(q, q, q, scale=0.05))(q))
+        jax.block_until_ready(jax.jit(lambda q: ffi_fwd(q, q, q, scale=0.1))(q))
+
+
+def test_bottom_right_band_with_bias_is_refused_readably(key):
+    # Seen on cuDNN 9.19: "Bottom right causal mask is only supported with
+    # is_bias=False" (forward and backward); dispatch refuses it beforehand.
+    (q, k, v, mask, *_), flags = make_inputs(
+        dict(b=2, hq=4, hk=4, lq=64, lk=128, d=64, mask="add", mshape=(1, "h", "q", "k"),
+             wr=0, br=True), "bfloat16", key)
+    with pytest.raises(Exception, match="can't serve this attention call"):
+        jax.block_until_ready(jax.jit(lambda *a: ffi_fwd(*a, **flags))(q, k, v, mask))
+
+
+def test_per_batch_sinks_are_refused(key):
+    # cuDNN 9.19 ran [B, Hq, 1, 1] sinks but gave wrong outputs: refused.
+    (q, k, v, *_), flags = make_inputs(dict(b=2, hq=4, hk=4, lq=64, lk=64, d=64), "bfloat16",
+                                       key)
+    sinks = jax.random.normal(key, (2, 4), jnp.float32)
+    with pytest.raises(Exception, match="per-batch sinks"):
+        jax.block_until_ready(jax.jit(lambda q, k, v, s: ffi_fwd(q, k, v, None, s, **flags))(
+            q, k, v, sinks))
+
+
+def test_dispatch_rule_matches_the_graphs():
+    from jax_sdpa import dispatch
+    from jax_sdpa.config import Config, StaticParams
+
+    def cfg(dtype="bfloat16", d=128, lq=256, lk=256, mask=None, br=False, wr=-1, ql=False):
+        return Config.from_shapes((2, 8, lq, d), (2, 2, lk, d), (2, 2, lk, d), np.dtype(dtype),
+                                  None if mask is None else (1, 8, lq, lk), mask, False, ql,
+                                  False, StaticParams(scale=0.1, window_right=wr,
+                                                      bottom_right=br))
+
+    ok = lambda c, direction="fwd": dispatch.supports_cudnn(c, direction, "cuda")[0]  # noqa: E731
+    assert ok(cfg())
+    assert ok(cfg(mask=np.dtype(bool), wr=0, br=True))  # square: alignment irrelevant
+    assert ok(cfg(d=256), "bwd")
+    assert not ok(cfg(dtype="float32"))
+    assert not ok(cfg(d=264))
+    assert not ok(cfg(mask=np.dtype("bfloat16"), wr=0, br=True, lq=64))
+    assert not ok(cfg(mask=np.dtype(bool), wr=0, br=True, ql=True), "bwd")
 
 
 def test_graph_cache_reuses_graphs(key):
