@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
 FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
@@ -41,8 +41,8 @@ def _cudnn_built():
 
 
 @pytest.fixture(autouse=True)
-def _needs_cudnn():
-    if not _cudnn_built():
+def _needs_cudnn(request):
+    if request.node.get_closest_marker("gpu") and not _cudnn_built():
         pytest.skip("the cuDNN backend is not built or there is no GPU")
 
 
@@ -266,6 +266,7 @@ def run_case(name, fn, *args):
         raise
 
 
+@gpu
 @pytest.mark.parametrize("dtype,seq_major", VARIANTS, ids=["bf16-BHLD", "f16-BLHD"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_contract(name, dtype, seq_major, key):
@@ -291,6 +292,7 @@ def test_forward_contract(name, dtype, seq_major, key):
         assert np.all(np.asarray(out, np.float32)[empty] == 0)
 
 
+@gpu
 @pytest.mark.parametrize("dtype,seq_major", VARIANTS, ids=["bf16-BHLD", "f16-BLHD"])
 @pytest.mark.parametrize("name", BWD_CASES)
 def test_backward_contract(name, dtype, seq_major, key):
@@ -330,12 +332,14 @@ def test_backward_contract(name, dtype, seq_major, key):
             assert np.all(np.asarray(g, np.float32).transpose(0, 2, 1, 3)[pad] == 0)
 
 
+@gpu
 def test_float32_is_refused_with_a_reason(key):
     q = jax.random.normal(key, (1, 2, 64, 64), jnp.float32)
     with pytest.raises(Exception, match="float16 or bfloat16"):
         jax.block_until_ready(jax.jit(lambda q: ffi_fwd(q, q, q, scale=0.125))(q))
 
 
+@gpu
 def test_unsupported_head_dim_maps_to_a_readable_error(key):
     # cuDNN wants head dims that are multiples of 8; its support check's message
     # must come back readable. (D = 512 is *not* refused by cuDNN 9.19 on the H200.)
@@ -344,6 +348,7 @@ def test_unsupported_head_dim_maps_to_a_readable_error(key):
         jax.block_until_ready(jax.jit(lambda q: ffi_fwd(q, q, q, scale=0.1))(q))
 
 
+@gpu
 def test_bottom_right_band_with_bias_is_refused_readably(key):
     # Seen on cuDNN 9.19: "Bottom right causal mask is only supported with
     # is_bias=False" (forward and backward); dispatch refuses it beforehand.
@@ -354,6 +359,7 @@ def test_bottom_right_band_with_bias_is_refused_readably(key):
         jax.block_until_ready(jax.jit(lambda *a: ffi_fwd(*a, **flags))(q, k, v, mask))
 
 
+@gpu
 def test_per_batch_sinks_are_refused(key):
     # cuDNN 9.19 ran [B, Hq, 1, 1] sinks but gave wrong outputs: refused.
     (q, k, v, *_), flags = make_inputs(dict(b=2, hq=4, hk=4, lq=64, lk=64, d=64), "bfloat16",
@@ -364,26 +370,58 @@ def test_per_batch_sinks_are_refused(key):
             q, k, v, sinks))
 
 
-def test_dispatch_rule_matches_the_graphs():
-    from jax_sdpa import dispatch
+def test_dispatch_rule_matches_the_graphs(monkeypatch):
+    """CPU: the rule in jax_sdpa/dispatch.py against what the H200 showed (cuDNN 9.19)."""
+    from jax_sdpa import _ext, dispatch
     from jax_sdpa.config import Config, StaticParams
 
-    def cfg(dtype="bfloat16", d=128, lq=256, lk=256, mask=None, br=False, wr=-1, ql=False):
+    monkeypatch.setattr(_ext, "has_backend", lambda name: True)
+    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (9, 0)))
+
+    def cfg(dtype="bfloat16", d=128, lq=256, lk=256, mask=None, br=False, wr=-1, ql=False,
+            sinks=False):
         return Config.from_shapes((2, 8, lq, d), (2, 2, lk, d), (2, 2, lk, d), np.dtype(dtype),
-                                  None if mask is None else (1, 8, lq, lk), mask, False, ql,
+                                  None if mask is None else (1, 8, lq, lk), mask, sinks, ql,
                                   False, StaticParams(scale=0.1, window_right=wr,
                                                       bottom_right=br))
 
     ok = lambda c, direction="fwd": dispatch.supports_cudnn(c, direction, "cuda")[0]  # noqa: E731
     assert ok(cfg())
+    assert ok(cfg(dtype="float16", d=72, lq=100, lk=300, wr=0, br=True), "bwd")
     assert ok(cfg(mask=np.dtype(bool), wr=0, br=True))  # square: alignment irrelevant
     assert ok(cfg(d=256), "bwd")
+    assert ok(cfg(sinks=True, ql=True, wr=0, br=True))
     assert not ok(cfg(dtype="float32"))
     assert not ok(cfg(d=264))
+    assert not ok(cfg(d=36))
     assert not ok(cfg(mask=np.dtype("bfloat16"), wr=0, br=True, lq=64))
     assert not ok(cfg(mask=np.dtype(bool), wr=0, br=True, ql=True), "bwd")
+    assert not dispatch.supports_cudnn(cfg(), "fwd", "cpu")[0]
+    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91200, (9, 0)))
+    assert not ok(cfg(sinks=True))  # sinks need cuDNN 9.13
+    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (7, 5)))
+    assert not ok(cfg())  # pre-Ampere
 
 
+def test_cuda_module_when_built():
+    """CPU (CI builds the CUDA extension without a GPU): the module loads and says
+    what it was built with. JAX_SDPA_EXPECT_CUDA=1 makes a missing build a failure."""
+    from jax_sdpa import _ext
+    m = _ext.module("_sdpa_cuda")
+    if m is None:
+        why = _ext.status().get("_sdpa_cuda", "?")
+        if os.environ.get("JAX_SDPA_EXPECT_CUDA") == "1":
+            pytest.fail("the CUDA extension was expected but is " + why)
+        pytest.skip("the CUDA extension is not built here: " + why)
+    assert {"jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"} <= set(m.registrations())
+    assert m.cudnn_compiled_version() >= 90000
+    assert m.cudnn_frontend_version() >= 11600
+    assert m.graph_cache_capacity() >= 0
+    v = m.cudnn_version()  # the wheel's libcudnn answers without a GPU too
+    assert v == -1 or v >= 90000
+
+
+@gpu
 def test_graph_cache_reuses_graphs(key):
     from jax_sdpa import _ext
     m = _ext.module("_sdpa_cuda")
@@ -405,6 +443,7 @@ def _btnh(x):
     return jnp.swapaxes(x, 1, 2)
 
 
+@gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_api_matches_jax_nn_cudnn(causal, dtype, key):
@@ -420,6 +459,7 @@ def test_api_matches_jax_nn_cudnn(causal, dtype, key):
     assert rel_err(ours_btnh, theirs) <= 1e-2
 
 
+@gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_api_grads_vs_float32_reference(dtype, key):
     import jax_sdpa
@@ -442,6 +482,7 @@ def test_api_grads_vs_float32_reference(dtype, key):
         check(g, wnt, lo, dtype, nm)
 
 
+@gpu
 def test_api_decode_half_filled_cache(key):
     import jax_sdpa
     c = dict(b=4, hq=32, hk=8, lq=1, lk=2048, d=128)
@@ -461,6 +502,7 @@ def test_api_decode_half_filled_cache(key):
     check(got, want, low, "bfloat16", "decode out")
 
 
+@gpu
 def test_api_vmap_and_jax_nn_features(key):
     import jax_sdpa
     (q, k, v, *_), _ = make_inputs(dict(b=2, hq=4, hk=4, lq=96, lk=96, d=64), "bfloat16", key)
@@ -488,6 +530,7 @@ def test_api_vmap_and_jax_nn_features(key):
     assert rel_err(vm[1], single) <= 1e-2
 
 
+@gpu
 def test_explain_and_refusals(key):
     import jax_sdpa
     q = jax.random.normal(key, (1, 4, 64, 64), jnp.float32)
