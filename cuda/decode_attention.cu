@@ -33,6 +33,7 @@ KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block)
 
 // Device facts, read once per device.
 constexpr int kMaxCounters = 1 << 16;  // fused combine: units per launch
+constexpr int kMaxSplits = 256;        // fused combine: per-split weights live in smem
 
 struct DeviceFacts {
   int sms = 0;
@@ -93,7 +94,7 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
 // splits = useful fraction of the block slots over the waves it takes; take
 // more splits only for a clear gain (each adds partial traffic + a combine).
 int choose_splits(int64_t units, int64_t len_kv, int slots) {
-  const int64_t max_split = std::max<int64_t>(1, std::min<int64_t>(1024, len_kv / 128));
+  const int64_t max_split = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, len_kv / 128));
   auto eff = [&](int64_t n) {
     const double waves = static_cast<double>(units * n) / slots;
     return waves / std::ceil(waves);
@@ -155,7 +156,9 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   plan->tensor_cores = k.tensor_cores;
   const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
   int n = force_splits > 0 ? force_splits : choose_splits(units, p.len_kv, f.sms * occ);
-  n = std::max(1, std::min(n, 65535));
+  // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
+  const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);
+  n = std::max(1, std::min({n, kMaxSplits, smem_cap}));
   plan->num_splits = n;
   plan->fused_combine = n > 1 && combine_mode != 1 && units <= kMaxCounters;
   plan->counters = plan->fused_combine ? f.counters : nullptr;
