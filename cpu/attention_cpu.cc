@@ -1,0 +1,63 @@
+// Picks the kernel variant for the running CPU once and forwards to it.
+#include "cpu/attention_cpu.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/attention_kernel.h"
+#include "cpu/thread_pool.h"
+
+namespace jax_sdpa {
+namespace cpu {
+namespace {
+
+struct Variant {
+  const char* name;
+  const char* (*fwd)(const SdpaParams&, const SdpaFwdBuffers&, ThreadPool&);
+  const char* (*bwd)(const SdpaParams&, const SdpaBwdBuffers&, ThreadPool&);
+};
+
+Variant pick() {
+#if defined(JAX_SDPA_CPU_X86_VARIANTS)
+  int max_level = 4;
+  if (const char* env = std::getenv("JAX_SDPA_CPU_ISA")) {
+    if (!std::strcmp(env, "v2")) max_level = 2;
+    if (!std::strcmp(env, "v3")) max_level = 3;
+  }
+  __builtin_cpu_init();
+  // The checks mirror what -march=x86-64-v4 / -v3 let the compiler use.
+  bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("bmi2");
+  bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
+            __builtin_cpu_supports("avx");
+  bool v2 = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("popcnt") &&
+            __builtin_cpu_supports("ssse3");
+  if (v4 && max_level >= 4) return {"x86-64-v4", x86_64_v4::forward, x86_64_v4::backward};
+  if (v3 && max_level >= 3) return {"x86-64-v3", x86_64_v3::forward, x86_64_v3::backward};
+  if (v2) return {"x86-64-v2", x86_64_v2::forward, x86_64_v2::backward};
+  return {"generic", generic::forward, generic::backward};
+#else
+  return {"generic", generic::forward, generic::backward};
+#endif
+}
+
+const Variant& variant() {
+  static const Variant v = pick();
+  return v;
+}
+
+}  // namespace
+
+const char* sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& buf) {
+  return variant().fwd(p, buf, ThreadPool::global());
+}
+const char* sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& buf) {
+  return variant().bwd(p, buf, ThreadPool::global());
+}
+const char* active_isa() { return variant().name; }
+
+}  // namespace cpu
+}  // namespace jax_sdpa

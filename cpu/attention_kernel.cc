@@ -1,0 +1,642 @@
+// One ISA variant of the CPU flash-attention kernel. CMake compiles this file
+// once per variant with -DJAX_SDPA_CPU_ISA=<namespace> and matching -march
+// flags; everything here has internal linkage or lives in that namespace, and
+// no std template is instantiated, so a wide-ISA copy of an inline function can
+// never be what a narrower caller links to.
+//
+// Layout of the work (docs/ffi_contract.md has the semantics):
+// - A "row" of a (batch b, kv head hk) pair is (query i, head g of the group),
+//   numbered r = i * G + g, so a query tile holds all heads of a GQA group that
+//   share the kv head (decode with Lq = 1 still fills the tile).
+// - Scores are computed transposed, S^T[key][row] = K · Q^T, so the softmax
+//   statistics of a query are a vector lane and every step of the online
+//   softmax is a plain vector op; the product with V is O^T += V^T · P^T.
+// - Every product goes through one register-blocked micro-kernel
+//   C[MR x NR*W] += A[MR x K] · B[K x NR*W] with A read by broadcast (any
+//   strides, so K and V rows are used in place for float32) and B/C rows of
+//   contiguous vectors in scratch padded to a multiple of W.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/attention_kernel.h"
+
+#ifndef JAX_SDPA_CPU_ISA
+#error "compile with -DJAX_SDPA_CPU_ISA=<variant namespace>"
+#endif
+
+namespace jax_sdpa {
+namespace cpu {
+namespace JAX_SDPA_CPU_ISA {
+namespace {
+
+// ---- vectors ------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int MR = 6, NR = 4;  // 24 zmm accumulators + 4 B vectors + 1 broadcast
+#elif defined(__AVX__)
+constexpr int W = 8;
+constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 ymm
+#else
+constexpr int W = 4;
+constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 xmm/NEON registers (of 32 on NEON)
+#endif
+constexpr int64_t kBq = 64;  // rows (queries x group heads) per tile
+constexpr int64_t kBk = 64;  // keys per block
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+// x - 0 folds to x (x + 0 would not: -0.0 + 0 = +0.0), leaving one broadcast.
+inline vf splat(float x) { return x - vf{}; }
+inline vf loadv(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storev(float* p, vf v) { memcpy(p, &v, sizeof v); }
+inline vf select(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+inline vf vmax(vf a, vf b) { return select(a > b, a, b); }
+
+// exp on [-87, 88] (Cody-Waite reduction + degree-6 polynomial, ~1 ulp);
+// below -87 (including -inf) it returns exactly 0: masked scores vanish.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f), hi = splat(88.0f);
+  vi under = x < lo;
+  x = select(x > hi, hi, x);
+  x = select(under, lo, x);
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = x * splat(1.44269504088896341f) + magic;
+  vf n = t - magic;
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  vf y = p * r * r + r + splat(1.0f);
+  vi e = ((vi)t - (vi)magic + 127) << 23;  // 2^n
+  y = y * (vf)e;
+  return select(under, splat(0.0f), y);
+}
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- dtype conversion ---------------------------------------------------------
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+inline float f16_to_f32(uint16_t h) {
+  // Exponent/mantissa moved into float position and rebiased by 2^112; this
+  // also turns f16 subnormals into the right float. Inf/NaN set exponent 255.
+  uint32_t em = h & 0x7fffu;
+  uint32_t bits = f32_to_bits(bits_to_f32(em << 13) * 0x1p112f);
+  if (em >= 0x7c00u) bits = (em << 13) | 0x7f800000u;
+  return bits_to_f32(bits | ((uint32_t)(h & 0x8000u) << 16));
+}
+inline uint16_t f32_to_f16(float f) {  // round to nearest even
+  uint32_t x = f32_to_bits(f);
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u);
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (x < 0x38800000u) {  // below 2^-14: f16 subnormal; 0.5f's ulp is 2^-24
+    float a = bits_to_f32(x) + 0.5f;
+    return sign | (uint16_t)(f32_to_bits(a) - 0x3f000000u);
+  }
+  uint32_t odd = (x >> 13) & 1u;
+  x += 0xc8000fffu + odd;  // rebias exponent by -112, round half to even
+  return sign | (uint16_t)(x >> 13);
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t x = f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);  // quiet NaN
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return (uint16_t)(x >> 16);
+}
+
+// n elements of src (at element offset idx) to float.
+void load_row(const void* src, DType t, int64_t idx, int64_t n, float* dst) {
+  if (t == DType::kF32) {
+    memcpy(dst, static_cast<const float*>(src) + idx, n * sizeof(float));
+  } else if (t == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + idx;
+    for (int64_t x = 0; x < n; ++x) dst[x] = bits_to_f32((uint32_t)s[x] << 16);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + idx;
+    for (int64_t x = 0; x < n; ++x) dst[x] = f16_to_f32(s[x]);
+  }
+}
+inline float load_one(const void* src, DType t, int64_t idx) {
+  float f;
+  load_row(src, t, idx, 1, &f);
+  return f;
+}
+// n floats (times mul) to dst at element offset idx, rounded once.
+void store_row(void* dst, DType t, int64_t idx, const float* src, float mul, int64_t n) {
+  if (t == DType::kF32) {
+    float* d = static_cast<float*>(dst) + idx;
+    for (int64_t x = 0; x < n; ++x) d[x] = src[x] * mul;
+  } else if (t == DType::kBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst) + idx;
+    for (int64_t x = 0; x < n; ++x) d[x] = f32_to_bf16(src[x] * mul);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst) + idx;
+    for (int64_t x = 0; x < n; ++x) d[x] = f32_to_f16(src[x] * mul);
+  }
+}
+void store_zeros(void* dst, DType t, int64_t idx, int64_t n) {
+  size_t es = t == DType::kF32 ? 4 : 2;
+  memset(static_cast<char*>(dst) + idx * es, 0, n * es);
+}
+
+// ---- the micro-kernel ---------------------------------------------------------
+// C[r][x] (+)= sum_k A[r * rs + k * ks] * B[k * ldb + x], r < M_, x < N_ * W.
+template <int M_, int N_>
+void micro(int64_t K, const float* __restrict A, int64_t rs, int64_t ks,
+           const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+           bool accumulate) {
+  vf acc[M_][N_];
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) acc[r][x] = accumulate ? loadv(C + r * ldc + x * W) : vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[N_];
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) b[x] = loadv(B + k * ldb + x * W);
+    const float* a = A + k * ks;
+#pragma GCC unroll 8
+    for (int r = 0; r < M_; ++r) {
+      vf av = splat(a[r * rs]);
+#pragma GCC unroll 8
+      for (int x = 0; x < N_; ++x) acc[r][x] += av * b[x];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) storev(C + r * ldc + x * W, acc[r][x]);
+}
+
+using MicroFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
+                         int64_t, bool);
+constexpr int nr_clamp(int x) { return x < NR ? x : NR; }
+#define JAX_SDPA_MICRO_ROW(m) \
+  {micro<m, nr_clamp(1)>, micro<m, nr_clamp(2)>, micro<m, nr_clamp(3)>, micro<m, nr_clamp(4)>}
+static_assert(MR == 6 && NR <= 4, "micro-kernel table below is written for MR = 6, NR <= 4");
+const MicroFn kMicro[6][4] = {JAX_SDPA_MICRO_ROW(1), JAX_SDPA_MICRO_ROW(2), JAX_SDPA_MICRO_ROW(3),
+                              JAX_SDPA_MICRO_ROW(4), JAX_SDPA_MICRO_ROW(5), JAX_SDPA_MICRO_ROW(6)};
+#undef JAX_SDPA_MICRO_ROW
+
+// C[M x N] (+)= A[M x K] · B[K x N]; N a multiple of W. A by broadcast with
+// strides (rs, ks); B and C row-major with leading dims ldb, ldc.
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs, int64_t ks, const float* B,
+          int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += NR * W) {
+    int nv = (int)min64((N - n0) / W, NR);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      int mr = (int)min64(M - m0, MR);
+      kMicro[mr - 1][nv - 1](K, A + m0 * rs, rs, ks, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                             accumulate);
+    }
+  }
+}
+
+// ---- scratch --------------------------------------------------------------------
+// One aligned block per participant, carved into float arrays.
+struct Arena {
+  char* base = nullptr;
+  size_t per = 0;  // bytes per participant
+};
+inline size_t floats_bytes(int64_t n) { return (size_t)round_up(n * 4, 64); }
+bool arena_alloc(Arena* a, size_t per, int participants) {
+  a->per = (size_t)round_up((int64_t)per, 64);
+  a->base = static_cast<char*>(aligned_alloc(64, a->per * participants));
+  return a->base != nullptr;
+}
+struct Carver {
+  char* p;
+  float* floats(int64_t n) {
+    float* r = reinterpret_cast<float*>(p);
+    p += floats_bytes(n);
+    return r;
+  }
+  int64_t* ints(int64_t n) {
+    int64_t* r = reinterpret_cast<int64_t*>(p);
+    p += (size_t)round_up(n * 8, 64);
+    return r;
+  }
+};
+
+// ---- a query tile ---------------------------------------------------------------
+struct Tile {
+  int64_t b, hk, r0, n, np;  // rows r0 .. r0+n of (b, hk); np = n rounded up to W
+  int64_t qlen, kvlen;
+  int64_t *col_i, *col_h, *kf, *kl;  // per row: query, head, visible band [kf, kl)
+  int64_t KF, KL;                    // union of the bands
+  int64_t maxKF, minKL;              // a key block inside [maxKF, minKL) needs no band mask
+};
+
+void setup_tile(const SdpaParams& p, Tile* t) {
+  const int64_t G = p.group();
+  t->qlen = clamp_length(p.q_lengths, t->b, p.len_q);
+  t->kvlen = clamp_length(p.kv_lengths, t->b, p.len_kv);
+  const int64_t off = diagonal_offset(p.bottom_right, t->qlen, t->kvlen);
+  t->np = round_up(t->n, W);
+  t->KF = INT64_MAX;
+  t->KL = 0;
+  t->maxKF = 0;
+  t->minKL = INT64_MAX;
+  for (int64_t c = 0; c < t->n; ++c) {
+    int64_t r = t->r0 + c, i = r / G;
+    t->col_i[c] = i;
+    t->col_h[c] = t->hk * G + r % G;
+    int64_t f = 0, l = 0;
+    if (i < t->qlen) {
+      KeyRange kr = band_keys(i, off, p.window_left, p.window_right, t->kvlen);
+      f = kr.first;
+      l = kr.last;
+    }
+    t->kf[c] = f;
+    t->kl[c] = l;
+    if (l > f) {
+      t->KF = min64(t->KF, f);
+      t->KL = max64(t->KL, l);
+    }
+    t->maxKF = max64(t->maxKF, f);
+    t->minKL = min64(t->minKL, l);
+  }
+  if (t->KL == 0) t->KF = 0;
+}
+
+// St[jn x np] holds q·k for keys j0.. of the tile; applies scale, the mask and
+// the band (-inf = invisible). Padding columns (c >= n) are left alone.
+void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St) {
+  const int64_t np = t.np;
+  const vf sc = splat((float)p.scale);
+  for (int64_t x = 0; x < jn * np; x += W) storev(St + x, loadv(St + x) * sc);
+  if (p.mask_kind != MaskKind::kNone) {
+    const int64_t* ms = p.mask_stride;
+    for (int64_t c = 0; c < t.n; ++c) {
+      if (t.kl[c] <= t.kf[c]) continue;  // invisible anyway
+      int64_t base = t.b * ms[0] + t.col_h[c] * ms[1] + t.col_i[c] * ms[2] + j0 * ms[3];
+      if (p.mask_kind == MaskKind::kBool) {
+        const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base;
+        for (int64_t j = 0; j < jn; ++j)
+          if (!m[j * ms[3]]) St[j * np + c] = -INFINITY;
+      } else if (p.mask_dtype == DType::kF32) {
+        const float* m = static_cast<const float*>(p.mask) + base;
+        for (int64_t j = 0; j < jn; ++j) St[j * np + c] += m[j * ms[3]];
+      } else {
+        for (int64_t j = 0; j < jn; ++j)
+          St[j * np + c] += load_one(p.mask, p.mask_dtype, base + j * ms[3]);
+      }
+    }
+  }
+  if (j0 < t.maxKF || j0 + jn > t.minKL) {
+    for (int64_t c = 0; c < t.n; ++c) {
+      int64_t lo = min64(max64(t.kf[c] - j0, 0), jn), hi = min64(max64(t.kl[c] - j0, 0), jn);
+      if (hi < lo) hi = lo;
+      for (int64_t j = 0; j < lo; ++j) St[j * np + c] = -INFINITY;
+      for (int64_t j = hi; j < jn; ++j) St[j * np + c] = -INFINITY;
+    }
+  }
+}
+
+// Qt[d][c] = X row of column c (zero for padding / invalid rows); also returns
+// the row-major copy in Xr[c][dp] when asked (backward).
+void pack_rows(const SdpaParams& p, const Tile& t, const void* X, const int64_t stride[3],
+               int64_t dim, float* Xt, float* Xr, int64_t dp, float* tmp) {
+  const int64_t np = t.np;
+  for (int64_t c = 0; c < np; ++c) {
+    bool live = c < t.n && t.col_i[c] < t.qlen;
+    if (live) {
+      load_row(X, p.dtype, t.b * stride[0] + t.col_h[c] * stride[1] + t.col_i[c] * stride[2], dim,
+               tmp);
+    } else {
+      memset(tmp, 0, dim * sizeof(float));
+    }
+    for (int64_t d = 0; d < dim; ++d) Xt[d * np + c] = tmp[d];
+    if (Xr) {
+      memcpy(Xr + c * dp, tmp, dim * sizeof(float));
+      memset(Xr + c * dp + dim, 0, (dp - dim) * sizeof(float));
+    }
+  }
+}
+
+// ---- forward ----------------------------------------------------------------------
+struct FwdCtx {
+  const SdpaParams* p;
+  const SdpaFwdBuffers* buf;
+  Arena arena;
+  int64_t tiles;  // per (b, hk)
+};
+
+void fwd_task(void* vctx, int64_t task, int participant) {
+  const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
+  const SdpaParams& p = *ctx.p;
+  const SdpaFwdBuffers& buf = *ctx.buf;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group();
+  const int64_t BH = p.batch * p.heads_kv;
+  // Heaviest tiles (latest queries under a causal band) first.
+  const int64_t tile = ctx.tiles - 1 - task / BH, bh = task % BH;
+
+  Carver cv{ctx.arena.base + ctx.arena.per * participant};
+  Tile t;
+  t.b = bh / p.heads_kv;
+  t.hk = bh % p.heads_kv;
+  t.r0 = tile * kBq;
+  t.n = min64(kBq, p.len_q * G - t.r0);
+  t.col_i = cv.ints(kBq);
+  t.col_h = cv.ints(kBq);
+  t.kf = cv.ints(kBq);
+  t.kl = cv.ints(kBq);
+  float* Qt = cv.floats(D * kBq);
+  float* St = cv.floats(kBk * kBq);
+  float* Ot = cv.floats(Dv * kBq);
+  float* Kf = cv.floats(kBk * D);
+  float* Vf = cv.floats(kBk * Dv);
+  float* m = cv.floats(kBq);
+  float* l = cv.floats(kBq);
+  float* alpha = cv.floats(kBq);
+  float* tmp = cv.floats(max64(D, Dv));
+  setup_tile(p, &t);
+  const int64_t np = t.np;
+
+  for (int64_t c = 0; c < np; ++c) {
+    bool sink = p.sinks && c < t.n && t.col_i[c] < t.qlen;
+    // A sink is one more softmax column with logit sinks[h] and no value.
+    m[c] = sink ? p.sinks[t.b * p.sinks_batch_stride + t.col_h[c]] : -INFINITY;
+    l[c] = sink ? 1.0f : 0.0f;
+  }
+  if (t.KL > t.KF) {
+    pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
+    memset(Ot, 0, Dv * np * sizeof(float));
+    const bool f32 = p.dtype == DType::kF32;
+    const int64_t kbase = t.b * p.k_stride[0] + t.hk * p.k_stride[1];
+    const int64_t vbase = t.b * p.v_stride[0] + t.hk * p.v_stride[1];
+    for (int64_t j0 = t.KF; j0 < t.KL; j0 += kBk) {
+      const int64_t jn = min64(kBk, t.KL - j0);
+      const float *kp, *vp;
+      int64_t krs, vks;
+      if (f32) {  // K and V rows in place
+        kp = static_cast<const float*>(buf.k) + kbase + j0 * p.k_stride[2];
+        vp = static_cast<const float*>(buf.v) + vbase + j0 * p.v_stride[2];
+        krs = p.k_stride[2];
+        vks = p.v_stride[2];
+      } else {
+        for (int64_t j = 0; j < jn; ++j) {
+          load_row(buf.k, p.dtype, kbase + (j0 + j) * p.k_stride[2], D, Kf + j * D);
+          load_row(buf.v, p.dtype, vbase + (j0 + j) * p.v_stride[2], Dv, Vf + j * Dv);
+        }
+        kp = Kf;
+        vp = Vf;
+        krs = D;
+        vks = Dv;
+      }
+      gemm(jn, np, D, kp, krs, 1, Qt, np, St, np, false);  // S^T = K · Q^T
+      scale_and_mask(p, t, j0, jn, St);
+      for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
+        vf mx = splat(-INFINITY);
+        for (int64_t j = 0; j < jn; ++j) mx = vmax(mx, loadv(St + j * np + c0));
+        vf mo = loadv(m + c0);
+        vf mn = vmax(mo, mx);
+        vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
+        vf al = vexp(mo - mu);
+        vf sum = vf{};
+        for (int64_t j = 0; j < jn; ++j) {
+          vf e = vexp(loadv(St + j * np + c0) - mu);
+          storev(St + j * np + c0, e);
+          sum += e;
+        }
+        storev(l + c0, loadv(l + c0) * al + sum);
+        storev(m + c0, mn);
+        storev(alpha + c0, al);
+      }
+      for (int64_t d = 0; d < Dv; ++d)
+        for (int64_t c0 = 0; c0 < np; c0 += W)
+          storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
+      gemm(Dv, np, jn, vp, 1, vks, St, np, Ot, np, true);  // O^T += V^T · P^T
+    }
+  }
+  // Finalize: out = O / l, lse = m + log l; nothing visible -> 0 and -inf.
+  for (int64_t c = 0; c < t.n; ++c) {
+    const int64_t i = t.col_i[c], h = t.col_h[c];
+    const int64_t oidx = t.b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+    float* lse = buf.lse + (t.b * p.heads_q + h) * p.len_q + i;
+    if (i < t.qlen && l[c] > 0.0f && t.KL > t.KF) {
+      *lse = m[c] + logf(l[c]);
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = Ot[d * np + c];
+      store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+    } else {
+      *lse = (i < t.qlen && l[c] > 0.0f) ? m[c] + logf(l[c]) : -INFINITY;  // sink only
+      store_zeros(buf.out, p.dtype, oidx, Dv);
+    }
+  }
+}
+
+// ---- backward ---------------------------------------------------------------------
+struct BwdCtx {
+  const SdpaParams* p;
+  const SdpaBwdBuffers* buf;
+  Arena arena;
+  int64_t nchunk, chunk;  // key chunks per (b, hk) and their length
+  float* dq_part;         // [nchunk][B][Hk][Lq * G][Dp] float32
+  int64_t Dp, Dvp;
+};
+
+void bwd_task(void* vctx, int64_t task, int participant) {
+  const BwdCtx& ctx = *static_cast<const BwdCtx*>(vctx);
+  const SdpaParams& p = *ctx.p;
+  const SdpaBwdBuffers& buf = *ctx.buf;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group(), Dp = ctx.Dp, Dvp = ctx.Dvp;
+  const int64_t BH = p.batch * p.heads_kv;
+  const int64_t ch = task / BH, bh = task % BH;
+  const int64_t b = bh / p.heads_kv, hk = bh % p.heads_kv;
+  const int64_t k0 = ch * ctx.chunk, k1 = min64(p.len_kv, k0 + ctx.chunk);
+  if (k1 <= k0) return;
+  const int64_t kvlen = clamp_length(p.kv_lengths, b, p.len_kv);
+  const int64_t qlen = clamp_length(p.q_lengths, b, p.len_q);
+  const int64_t k1e = min64(k1, kvlen);  // keys past kvlen get zero gradients
+  const int64_t nk = k1 - k0;
+
+  Carver cv{ctx.arena.base + ctx.arena.per * participant};
+  Tile t;
+  t.b = b;
+  t.hk = hk;
+  t.col_i = cv.ints(kBq);
+  t.col_h = cv.ints(kBq);
+  t.kf = cv.ints(kBq);
+  t.kl = cv.ints(kBq);
+  float* Kc = cv.floats(ctx.chunk * Dp);
+  float* Vc = cv.floats(ctx.chunk * Dvp);
+  float* dKc = cv.floats(ctx.chunk * Dp);
+  float* dVc = cv.floats(ctx.chunk * Dvp);
+  float* Qt = cv.floats(D * kBq);
+  float* Qr = cv.floats(kBq * Dp);
+  float* dOt = cv.floats(Dv * kBq);
+  float* dOr = cv.floats(kBq * Dvp);
+  float* St = cv.floats(kBk * kBq);
+  float* dPt = cv.floats(kBk * kBq);
+  float* lse_use = cv.floats(kBq);
+  float* delta = cv.floats(kBq);
+  float* tmp = cv.floats(2 * max64(Dp, Dvp));
+
+  const int64_t kbase = b * p.k_stride[0] + hk * p.k_stride[1];
+  const int64_t vbase = b * p.v_stride[0] + hk * p.v_stride[1];
+  memset(Kc, 0, nk * Dp * sizeof(float));
+  memset(Vc, 0, nk * Dvp * sizeof(float));
+  memset(dKc, 0, nk * Dp * sizeof(float));
+  memset(dVc, 0, nk * Dvp * sizeof(float));
+  for (int64_t j = k0; j < k1e; ++j) {
+    load_row(buf.k, p.dtype, kbase + j * p.k_stride[2], D, Kc + (j - k0) * Dp);
+    load_row(buf.v, p.dtype, vbase + j * p.v_stride[2], Dv, Vc + (j - k0) * Dvp);
+  }
+  float* dqp = ctx.dq_part + ((ch * p.batch + b) * p.heads_kv + hk) * (p.len_q * G) * Dp;
+
+  const int64_t rows = qlen * G;
+  for (int64_t r0 = 0; k1e > k0 && r0 < rows; r0 += kBq) {
+    t.r0 = r0;
+    t.n = min64(kBq, rows - r0);
+    setup_tile(p, &t);
+    const int64_t js = max64(t.KF, k0), je = min64(t.KL, k1e);
+    if (je <= js) continue;
+    const int64_t np = t.np;
+    pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, Dp, tmp);
+    pack_rows(p, t, buf.dout, p.o_stride, Dv, dOt, dOr, Dvp, tmp);
+    for (int64_t c = 0; c < np; ++c) {
+      lse_use[c] = INFINITY;  // exp(s - inf) = 0: no probability for this column
+      delta[c] = 0.0f;
+      if (c >= t.n) continue;
+      const int64_t i = t.col_i[c], h = t.col_h[c];
+      float lv = buf.lse[(b * p.heads_q + h) * p.len_q + i];
+      if (lv > -INFINITY) lse_use[c] = lv;
+      const int64_t oidx = b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+      load_row(buf.out, p.dtype, oidx, Dv, tmp);
+      float s = 0.0f;
+      for (int64_t d = 0; d < Dv; ++d) s += tmp[d] * dOr[c * Dvp + d];
+      delta[c] = s;
+    }
+    for (int64_t j0 = js; j0 < je; j0 += kBk) {
+      const int64_t jn = min64(kBk, je - j0);
+      const float* kb = Kc + (j0 - k0) * Dp;
+      const float* vb = Vc + (j0 - k0) * Dvp;
+      gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
+      scale_and_mask(p, t, j0, jn, St);
+      gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
+      for (int64_t j = 0; j < jn; ++j)
+        for (int64_t c0 = 0; c0 < np; c0 += W) {
+          vf pr = vexp(loadv(St + j * np + c0) - loadv(lse_use + c0));
+          storev(St + j * np + c0, pr);
+          storev(dPt + j * np + c0, pr * (loadv(dPt + j * np + c0) - loadv(delta + c0)));
+        }
+      // dV += P^T · dO, dK += dS^T · Q, dQ += dS · K (scale applied at the end)
+      gemm(jn, Dvp, np, St, np, 1, dOr, Dvp, dVc + (j0 - k0) * Dvp, Dvp, true);
+      gemm(jn, Dp, np, dPt, np, 1, Qr, Dp, dKc + (j0 - k0) * Dp, Dp, true);
+      gemm(t.n, Dp, jn, dPt, 1, np, kb, Dp, dqp + r0 * Dp, Dp, true);
+    }
+  }
+  const float scale = (float)p.scale;
+  for (int64_t j = k0; j < k1; ++j) {
+    store_row(buf.dk, p.dtype, kbase + j * p.k_stride[2], dKc + (j - k0) * Dp, scale, D);
+    store_row(buf.dv, p.dtype, vbase + j * p.v_stride[2], dVc + (j - k0) * Dvp, 1.0f, Dv);
+  }
+}
+
+// dq = scale * sum over key chunks, per (b, query head).
+void dq_task(void* vctx, int64_t task, int participant) {
+  const BwdCtx& ctx = *static_cast<const BwdCtx*>(vctx);
+  const SdpaParams& p = *ctx.p;
+  const int64_t D = p.head_dim, G = p.group(), Dp = ctx.Dp;
+  const int64_t b = task / p.heads_q, h = task % p.heads_q, hk = h / G, g = h % G;
+  const int64_t qlen = clamp_length(p.q_lengths, b, p.len_q);
+  Carver cv{ctx.arena.base + ctx.arena.per * participant};
+  float* acc = cv.floats(Dp);
+  const int64_t part = p.batch * p.heads_kv * p.len_q * G * Dp;
+  for (int64_t i = 0; i < p.len_q; ++i) {
+    const int64_t idx = b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
+    if (i >= qlen) {
+      store_zeros(ctx.buf->dq, p.dtype, idx, D);
+      continue;
+    }
+    const float* src = ctx.dq_part + ((b * p.heads_kv + hk) * p.len_q * G + i * G + g) * Dp;
+    memcpy(acc, src, D * sizeof(float));
+    for (int64_t c = 1; c < ctx.nchunk; ++c)
+      for (int64_t d = 0; d < D; ++d) acc[d] += src[c * part + d];
+    store_row(ctx.buf->dq, p.dtype, idx, acc, (float)p.scale, D);
+  }
+}
+
+}  // namespace
+
+const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
+  const int64_t rows = p.len_q * p.group();
+  if (p.batch == 0 || p.heads_q == 0 || rows == 0) return nullptr;
+  FwdCtx ctx;
+  ctx.p = &p;
+  ctx.buf = &buf;
+  ctx.tiles = (rows + kBq - 1) / kBq;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + floats_bytes(D * kBq) +
+               floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) + floats_bytes(kBk * D) +
+               floats_bytes(kBk * Dv) + 3 * floats_bytes(kBq) + floats_bytes(max64(D, Dv));
+  const int parts = pool.participants();
+  if (!arena_alloc(&ctx.arena, per, parts)) return "jax_sdpa cpu: out of memory (forward scratch)";
+  pool.parallel_for(p.batch * p.heads_kv * ctx.tiles, fwd_task, &ctx);
+  free(ctx.arena.base);
+  return nullptr;
+}
+
+const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool& pool) {
+  if (p.batch == 0 || p.heads_q == 0) return nullptr;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group();
+  BwdCtx ctx;
+  ctx.p = &p;
+  ctx.buf = &buf;
+  ctx.Dp = round_up(D, W);
+  ctx.Dvp = round_up(Dv, W);
+  const int parts = pool.participants();
+  // Split the keys of each (b, hk) only as far as needed to keep every thread
+  // busy: each split costs a float32 copy of dq.
+  const int64_t BH = p.batch * p.heads_kv;
+  const int64_t nblocks = max64(1, (p.len_kv + kBk - 1) / kBk);
+  int64_t nchunk = (2 * parts + BH - 1) / BH;
+  nchunk = max64(1, min64(min64(nchunk, nblocks), 16));
+  ctx.chunk = round_up(max64(1, (p.len_kv + nchunk - 1) / nchunk), kBk);
+  ctx.nchunk = max64(1, (p.len_kv + ctx.chunk - 1) / ctx.chunk);
+  const size_t part_floats = (size_t)(BH * p.len_q * G * ctx.Dp);
+  ctx.dq_part = static_cast<float*>(calloc(ctx.nchunk * part_floats + 1, sizeof(float)));
+  if (!ctx.dq_part) return "jax_sdpa cpu: out of memory (dq accumulator)";
+  const int64_t Dp = ctx.Dp, Dvp = ctx.Dvp;
+  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + 2 * floats_bytes(ctx.chunk * Dp) +
+               2 * floats_bytes(ctx.chunk * Dvp) + floats_bytes(D * kBq) +
+               floats_bytes(kBq * Dp) + floats_bytes(Dv * kBq) + floats_bytes(kBq * Dvp) +
+               2 * floats_bytes(kBk * kBq) + 2 * floats_bytes(kBq) +
+               floats_bytes(2 * max64(Dp, Dvp));
+  if (!arena_alloc(&ctx.arena, per, parts)) {
+    free(ctx.dq_part);
+    return "jax_sdpa cpu: out of memory (backward scratch)";
+  }
+  pool.parallel_for(ctx.nchunk * BH, bwd_task, &ctx);
+  pool.parallel_for(p.batch * p.heads_q, dq_task, &ctx);
+  free(ctx.arena.base);
+  free(ctx.dq_part);
+  return nullptr;
+}
+
+}  // namespace JAX_SDPA_CPU_ISA
+}  // namespace cpu
+}  // namespace jax_sdpa

@@ -1,0 +1,119 @@
+// XLA FFI handlers of the native CPU kernel: jax_sdpa_cpu_fwd / jax_sdpa_cpu_bwd.
+// Operands and attributes as in docs/ffi_contract.md; everything is checked by
+// decode_inputs / check_like / check_lse before the kernel touches memory.
+#include <cstring>
+#include <string>
+
+#include "cpu/attention_cpu.h"
+#include "ffi/ffi_decode.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_sdpa {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error CpuFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                  ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, double scale,
+                  int64_t window_left, int64_t window_right, bool bottom_right, bool seq_major,
+                  bool has_mask, bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+  SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major, has_mask,
+                           has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
+    return e;
+  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
+  if (poison_outputs_requested()) {  // tests: an element the kernel misses shows up as NaN
+    std::memset(out->untyped_data(), 0xff, out->size_bytes());
+    std::memset(lse->untyped_data(), 0xff, lse->size_bytes());
+  }
+  SdpaFwdBuffers buf;
+  buf.q = q.untyped_data();
+  buf.k = k.untyped_data();
+  buf.v = v.untyped_data();
+  buf.out = out->untyped_data();
+  buf.lse = static_cast<float*>(lse->untyped_data());
+  if (const char* err = cpu::sdpa_forward(p, buf)) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
+ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                  ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
+                  ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                  ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
+                  int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
+                  bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+  SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major, has_mask,
+                           has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
+    return e;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", Dv); e.failure())
+    return e;
+  if (auto e = check_like("dout", dout.dimensions(), dout.element_type(), q, "q", Dv);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse.dimensions(), lse.element_type(), p); e.failure()) return e;
+  if (auto e = check_like("dq", dq->dimensions(), dq->element_type(), q, "q", D); e.failure())
+    return e;
+  if (auto e = check_like("dk", dk->dimensions(), dk->element_type(), k, "k", D); e.failure())
+    return e;
+  if (auto e = check_like("dv", dv->dimensions(), dv->element_type(), v, "v", Dv); e.failure())
+    return e;
+  if (poison_outputs_requested()) {
+    std::memset(dq->untyped_data(), 0xff, dq->size_bytes());
+    std::memset(dk->untyped_data(), 0xff, dk->size_bytes());
+    std::memset(dv->untyped_data(), 0xff, dv->size_bytes());
+  }
+  SdpaBwdBuffers buf;
+  buf.q = q.untyped_data();
+  buf.k = k.untyped_data();
+  buf.v = v.untyped_data();
+  buf.out = out.untyped_data();
+  buf.lse = static_cast<const float*>(lse.untyped_data());
+  buf.dout = dout.untyped_data();
+  buf.dq = dq->untyped_data();
+  buf.dk = dk->untyped_data();
+  buf.dv = dv->untyped_data();
+  if (const char* err = cpu::sdpa_backward(p, buf)) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_sdpa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaCpuFwd, jax_sdpa::CpuFwd,
+                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q
+                                                            .Arg<xla::ffi::AnyBuffer>()  // k
+                                                            .Arg<xla::ffi::AnyBuffer>()  // v
+                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
+                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
+                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
+                                                            .Ret<xla::ffi::AnyBuffer>()  // out
+                                                            .Ret<xla::ffi::AnyBuffer>()  // lse
+                                                            ));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaCpuBwd, jax_sdpa::CpuBwd,
+                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q
+                                                            .Arg<xla::ffi::AnyBuffer>()  // k
+                                                            .Arg<xla::ffi::AnyBuffer>()  // v
+                                                            .Arg<xla::ffi::AnyBuffer>()  // out
+                                                            .Arg<xla::ffi::AnyBuffer>()  // lse
+                                                            .Arg<xla::ffi::AnyBuffer>()  // dout
+                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
+                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
+                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
+                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
+                                                            .Ret<xla::ffi::AnyBuffer>()  // dq
+                                                            .Ret<xla::ffi::AnyBuffer>()  // dk
+                                                            .Ret<xla::ffi::AnyBuffer>()  // dv
+                                                            ));
