@@ -21,9 +21,10 @@ operand is all-gathered. `primitives._lower` therefore hands a multi-device lowe
   so the platform lowering chooses the kernel (FFI or the pure-JAX reference) for the
   shard's shapes.
 
-Inside `shard_map` (fully manual) the primitive already sees per-shard shapes and lowers
-directly. Partially manual contexts and meshless multi-device programs fall back to the
-plain lowering (correct, replicated over the automatic axes).
+Inside `shard_map` the primitive sees per-shard shapes over the manual axes; axes left
+automatic (`axis_names=`) are partitioned the same way, except that plans needing a
+psum (more head shards than kv heads) are not used there. Programs lowered without a
+device assignment fall back to the plain lowering (correct, replicated).
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def needs_partitioning(ctx) -> bool:
     ac = ctx.module_context.axis_context
     if ShardingContext and isinstance(ac, ShardingContext):
         return ac.num_devices > 1 and ac.device_assignment is not None
-    return False  # shard_map (manual), pmap, single device
+    if SPMDAxisContext and isinstance(ac, SPMDAxisContext):
+        # shard_map: fully manual means per-shard shapes already; axes left automatic
+        # (axis_names=...) are partitioned like a jit's
+        mesh = ac.mesh
+        return any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in ac.manual_axes)
+    return False  # pmap, single device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +135,7 @@ class _Plan:
     reduce_axes: tuple  # hold the same kv head: dk/dv are partial sums over these
 
 
-def _plan(layout: _Layout, shardings) -> _Plan:
+def _plan(layout: _Layout, shardings, allow_reduce: bool = True) -> _Plan:
     h = layout.head_axis
     tiles = _tile_devices(shardings[0], 4)
     if tiles is None:
@@ -145,7 +151,7 @@ def _plan(layout: _Layout, shardings) -> _Plan:
     # the head tiles factor as (kv-head shards, shards per kv head) = (_HK, _HG).
     if th > 1 and hq % th == 0 and hk % th == 0:
         t_kv, t_group = th, 1
-    elif th > 1 and hq % th == 0 and th % hk == 0:
+    elif th > 1 and hq % th == 0 and th % hk == 0 and allow_reduce:
         t_kv, t_group = hk, th // hk
     else:  # no consistent split: the head tiles are folded into the replicated rest
         t_kv = t_group = 1
@@ -235,13 +241,18 @@ def lower_partitioned(ctx, direction, args, kw):
 
     prim = primitives.sdpa_fwd_p if direction == "fwd" else primitives.sdpa_bwd_p
     layout = _Layout.from_avals(direction, ctx.avals_in, kw["seq_major"])
+    # Inside a partially manual shard_map the callback sees only the automatic axes'
+    # devices: fine for independent shards, but a psum's replica groups would be wrong,
+    # so plans that need one (kv heads shared by head shards) are not used there.
+    allow_reduce = not (SPMDAxisContext and isinstance(ctx.module_context.axis_context,
+                                                       SPMDAxisContext))
 
     def body(*xs):
         return tuple(prim.bind(*xs, **kw))
 
     def partition(mesh, arg_shapes, result_shape):
         del mesh  # empty without `with mesh:`; ours comes from the operands
-        plan = _plan(layout, [a.sharding for a in arg_shapes])
+        plan = _plan(layout, [a.sharding for a in arg_shapes], allow_reduce)
         specs, results = _specs(layout, plan)
 
         def per_shard(*xs):
@@ -255,7 +266,7 @@ def lower_partitioned(ctx, direction, args, kw):
         return plan.mesh, per_shard, named(results), named(specs)
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (jax_use_shardy_partitioner=False)
-        plan = _plan(layout, [a.sharding for a in arg_shapes])
+        plan = _plan(layout, [a.sharding for a in arg_shapes], allow_reduce)
         return tuple(NamedSharding(plan.mesh, s) for s in _specs(layout, plan)[1])
 
     op = custom_partitioning(body)

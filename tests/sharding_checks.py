@@ -162,6 +162,21 @@ def p_explicit_mesh():
                           kernel_shape="f32[1,2,16,8]")
 
 
+def p_scan_checkpoint():
+    # the primitive inside a rematerialized scan body (a layer stack) is partitioned too
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 8, 16, 8), normal(2, 4, 16, 8), normal(2, 4, 16, 8)
+    att = sdpa(mask="causal")
+
+    def f(q, k, v):
+        def layer(x, _):
+            return jax.checkpoint(att)(x, k, v) + x, None
+        return jax.lax.scan(layer, q, None, length=2)[0]
+
+    s = NamedSharding(m, P("b", "h"))
+    check_partitioned(f, (q, k, v), (s, s, s), (0, 1, 2), kernel_shape="f32[1,2,16,8]")
+
+
 def p_seq_major_jax_nn():
     m = mesh((2, 4), ("b", "h"))
     q, k, v = normal(2, 16, 8, 8), normal(2, 16, 4, 8), normal(2, 16, 4, 8)
@@ -239,7 +254,7 @@ def p_vmap_under_jit():
 
 
 PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_heads_full_mask_sinks_qlengths,
-             p_explicit_mesh, p_seq_major_jax_nn, p_mqa_heads,
+             p_explicit_mesh, p_scan_checkpoint, p_seq_major_jax_nn, p_mqa_heads,
              p_sequence_sharded, p_head_dim_sharded, p_more_head_shards_than_kv_heads,
              p_indivisible_heads,
              p_gspmd_partitioner, p_vmap_under_jit]
@@ -249,7 +264,7 @@ PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_heads_full_mask_si
 # ring attention
 
 def check_ring(n, shape_q, shape_kv, *, mask, layout, sinks=False, batch_axis=None,
-               check_vma=True):
+               check_vma=True, auto_batch=False):
     names = ("sp",) if batch_axis is None else ("dp", "sp")
     m = mesh((n,) if batch_axis is None else (batch_axis, n), names)
     q, k, v = normal(*shape_q), normal(*shape_kv), normal(*shape_kv)
@@ -267,10 +282,17 @@ def check_ring(n, shape_q, shape_kv, *, mask, layout, sinks=False, batch_axis=No
     zig = layout == "zigzag"
     perm = (lambda x: ring_mod.to_zigzag(x, n)) if zig else (lambda x: x)
     unperm = (lambda x: ring_mod.from_zigzag(x, n)) if zig else (lambda x: x)
+    kw = {}
+    if auto_batch:  # only "sp" manual: the batch stays split over the automatic "dp"
+        kw["axis_names"] = {"sp"}
+        spec = P(None, None, "sp")
     sm = jax.shard_map(local, mesh=m, in_specs=(spec, spec, spec, P()), out_specs=spec,
-                       check_vma=check_vma)
+                       check_vma=check_vma, **kw)
 
     def ringed(q, k, v, s):
+        if auto_batch:
+            dp = NamedSharding(m, P("dp", None, "sp"))
+            q, k, v = (jax.lax.with_sharding_constraint(x, dp) for x in (q, k, v))
         return unperm(sm(perm(q), perm(k), perm(v), s))
 
     argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
@@ -279,6 +301,8 @@ def check_ring(n, shape_q, shape_kv, *, mask, layout, sinks=False, batch_axis=No
     close(step(q, k, v, s), want, "ring (out, grads)")
     text = step.as_text()
     assert "collective-permute" in text, "no ring passing in the program"
+    if auto_batch:
+        assert "all-gather" not in text, "the automatic batch axis was gathered"
     if IMPL not in ("xla", "xla_chunked"):
         assert f"jax_sdpa_{IMPL}_fwd" in text and f"jax_sdpa_{IMPL}_bwd" in text, \
             "the ring steps do not run the fused kernel"
@@ -301,6 +325,11 @@ def r_zigzag_with_batch_axis_no_vma():
                sinks=True, batch_axis=2, check_vma=False)
 
 
+def r_partially_manual_shard_map():
+    check_ring(4, (2, 2, 16, 8), (2, 2, 16, 8), mask="causal", layout=None,
+               batch_axis=2, auto_batch=True)
+
+
 def r_zigzag_helpers_roundtrip():
     x = normal(1, 1, 24, 2)
     z = ring_mod.to_zigzag(x, 3)
@@ -312,7 +341,8 @@ def r_zigzag_helpers_roundtrip():
 
 
 RING = [r_causal_contiguous_gqa_sinks, r_causal_zigzag, r_noncausal_cross_lengths,
-        r_zigzag_with_batch_axis_no_vma, r_zigzag_helpers_roundtrip]
+        r_zigzag_with_batch_axis_no_vma, r_partially_manual_shard_map,
+        r_zigzag_helpers_roundtrip]
 
 
 def main():

@@ -11,7 +11,8 @@ check and the test reports every failing one.
   all-gather (MQA's dk/dv and the sinks' gradient need one all-reduce); sequence or
   head-dim shardings are resharded and stay correct; the fused kernel runs per shard.
 - ring attention (jax_sdpa/ring.py): inside shard_map it equals full attention, causal and
-  not, contiguous and zig-zag, with sinks and GQA, forward and gradients.
+  not, contiguous and zig-zag, with sinks and GQA, forward and gradients, also with the
+  batch on an automatic axis of a partially manual shard_map (no all-gather).
 """
 
 from __future__ import annotations
