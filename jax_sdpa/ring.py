@@ -187,10 +187,10 @@ def _attend(q, k, v, params):
     return out.astype(jnp.float32), lse
 
 
-def _pad_front(x, axis, total):
+def _pad_front(x, axis, total, value=0.0):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (total - x.shape[axis], 0)
-    return jnp.pad(x, widths, constant_values=-jnp.inf if x.ndim == 3 else 0)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def _block_fwd(ring: _Ring, t, r, q, kb, vb):
@@ -208,7 +208,7 @@ def _block_fwd(ring: _Ring, t, r, q, kb, vb):
 
         def upper():  # source > r: the second local chunk sees both source chunks
             o, l = _attend(q[:, :, c:], kb, vb, ring.params)
-            return _pad_front(o, 2, lq), _pad_front(l, 2, lq)
+            return _pad_front(o, 2, lq), _pad_front(l, 2, lq, -jnp.inf)
 
         return lax.cond(r >= t, lower, upper)
 

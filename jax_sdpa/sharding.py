@@ -10,12 +10,12 @@ operand is all-gathered. `primitives._lower` therefore hands a multi-device lowe
   the sequence and head-dim factors marked need-replication; GSPMD gets the equivalent
   `infer_sharding_from_operands` callback;
 - the `partition` callback picks the supported layout from the operands' shardings:
-  batch split over the mesh axes that split q's batch dim, heads over the axes that split
-  q's head dim when the kv heads can be split consistently (`Hk % n == 0`; kv heads are
-  contiguous groups of query heads), or, when there are more head shards than kv heads
-  (`n % Hk == 0`, MQA included) with each kv head split over the n/Hk shards whose
-  query heads use it; their dk/dv are then psum'd over those shards. Everything else (sequence, head dim, an
-  inconsistent head split) is resharded to replicated by XLA before the call -- slower,
+  the batch split like q's batch dim; the heads split like q's head dim when the kv
+  heads can follow consistently (query heads are contiguous groups per kv head):
+  `Hk % n == 0` (each shard holds whole kv heads) or `n % Hk == 0` (more head shards
+  than kv heads, MQA included: each kv head is split over the n/Hk shards whose query
+  heads use it, and their dk/dv are psum'd). Everything else (sequence, head dim, an
+  inconsistent head split) is resharded to replicated by XLA before the call: slower,
   never wrong;
 - per shard, the primitive is bound again on the local shapes (a fully manual context),
   so the platform lowering chooses the kernel (FFI or the pure-JAX reference) for the
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -41,9 +42,6 @@ try:  # private, but the only way to know what kind of program we are lowering
     from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 except ImportError:  # pragma: no cover - a future jax moved them: never partition
     ShardingContext = SPMDAxisContext = ()
-
-_OPTIONAL_KEYS = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")
-
 
 def register_primitives(*prims):
     """Make jit pass the device assignment when lowering programs that use `prims`
