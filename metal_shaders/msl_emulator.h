@@ -57,6 +57,56 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+// Context switches: glibc's swapcontext makes two signal-mask syscalls per switch, which
+// dominated the emulator's time, so on x86-64 and aarch64 fibers switch with a few
+// instructions that save the callee-saved registers (MSL_EMU_UCONTEXT=1 forces ucontext).
+// Under ASan, ucontext + the sanitizer's fiber annotations are used.
+#if !defined(MSL_EMU_ASAN) && !defined(MSL_EMU_UCONTEXT) && \
+    (defined(__x86_64__) || defined(__aarch64__))
+#define MSL_EMU_FAST_SWITCH 1
+namespace mslemu {
+// Saves callee-saved registers on the current stack, stores its sp in *save, switches to
+// the stack `to` and restores the registers saved there.
+__attribute__((naked, noinline)) static void fast_switch(void** save, void* to) {
+#if defined(__x86_64__)
+  asm volatile(
+      "pushq %rbp\n pushq %rbx\n pushq %r12\n pushq %r13\n pushq %r14\n pushq %r15\n"
+      "movq %rsp, (%rdi)\n movq %rsi, %rsp\n"
+      "popq %r15\n popq %r14\n popq %r13\n popq %r12\n popq %rbx\n popq %rbp\n"
+      "ret\n");
+#else
+  asm volatile(
+      "sub sp, sp, #160\n"
+      "stp x19, x20, [sp, #0]\n stp x21, x22, [sp, #16]\n stp x23, x24, [sp, #32]\n"
+      "stp x25, x26, [sp, #48]\n stp x27, x28, [sp, #64]\n stp x29, x30, [sp, #80]\n"
+      "stp d8, d9, [sp, #96]\n stp d10, d11, [sp, #112]\n stp d12, d13, [sp, #128]\n"
+      "stp d14, d15, [sp, #144]\n"
+      "mov x2, sp\n str x2, [x0]\n mov sp, x1\n"
+      "ldp x19, x20, [sp, #0]\n ldp x21, x22, [sp, #16]\n ldp x23, x24, [sp, #32]\n"
+      "ldp x25, x26, [sp, #48]\n ldp x27, x28, [sp, #64]\n ldp x29, x30, [sp, #80]\n"
+      "ldp d8, d9, [sp, #96]\n ldp d10, d11, [sp, #112]\n ldp d12, d13, [sp, #128]\n"
+      "ldp d14, d15, [sp, #144]\n"
+      "add sp, sp, #160\n ret\n");
+#endif
+}
+// A fresh stack whose first fast_switch "returns" into entry() (which never returns).
+inline void* fast_stack_init(char* stack, size_t size, void (*entry)()) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top);
+#if defined(__x86_64__)
+  *--sp = nullptr;                          // entry's (never used) return address
+  *--sp = reinterpret_cast<void*>(entry);   // popped by ret: rsp % 16 == 8 at entry
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12-r15
+#else
+  sp -= 20;  // x19..x28, x29, x30, d8..d15
+  for (int i = 0; i < 20; ++i) sp[i] = nullptr;
+  sp[11] = reinterpret_cast<void*>(entry);  // x30 (lr): where ret goes
+#endif
+  return sp;
+}
+}  // namespace mslemu
+#endif
+
 // ---- MSL scalar and vector types ------------------------------------------------------------
 typedef unsigned int uint;
 typedef unsigned short ushort;
@@ -85,6 +135,7 @@ enum class State : uint8_t { kRunnable, kAtBarrier, kAtSimd, kDone };
 
 struct Fiber {
   ucontext_t ctx;
+  void* sp = nullptr;  // saved stack pointer (fast switch)
   char* stack = nullptr;
   size_t stack_size = 0;
   State state = State::kRunnable;
@@ -113,6 +164,7 @@ struct Group {
   SimdState* simd = nullptr;
   int cur = -1;
   ucontext_t sched;
+  void* sched_sp = nullptr;
   std::vector<int> runq;
   int barrier_arrived = 0;
   int barrier_line = 0;
@@ -141,7 +193,10 @@ inline int lanes_in(const Group& g, int sg) {
 inline void switch_to_scheduler(bool exiting = false) {
   Group* g = t_group;
   Fiber& f = g->fibers[g->cur];
-#ifdef MSL_EMU_ASAN
+#if defined(MSL_EMU_FAST_SWITCH)
+  (void)exiting;
+  fast_switch(&f.sp, g->sched_sp);
+#elif defined(MSL_EMU_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(exiting ? nullptr : &fake, g->sched_stack_bottom,
                                  g->sched_stack_size);
@@ -247,11 +302,15 @@ inline std::string run_group(int nthreads, void (*body)(void*, int), void* ctx) 
     Fiber& f = fibers[t];
     f.stack = pool.get(t, ss);
     f.stack_size = ss;
+#if defined(MSL_EMU_FAST_SWITCH)
+    f.sp = fast_stack_init(f.stack, ss, fiber_entry);
+#else
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = ss;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_entry, 0);
+#endif
   }
   g.runq.reserve(nthreads);
   for (int t = nthreads - 1; t >= 0; --t) g.runq.push_back(t);
@@ -275,7 +334,9 @@ inline std::string run_group(int nthreads, void (*body)(void*, int), void* ctx) 
     g.runq.pop_back();
     g.cur = t;
     fibers[t].state = State::kRunnable;
-#ifdef MSL_EMU_ASAN
+#if defined(MSL_EMU_FAST_SWITCH)
+    fast_switch(&g.sched_sp, fibers[t].sp);
+#elif defined(MSL_EMU_ASAN)
     __sanitizer_start_switch_fiber(&g.sched_fake_stack, fibers[t].stack, fibers[t].stack_size);
     swapcontext(&g.sched, &fibers[t].ctx);
     __sanitizer_finish_switch_fiber(g.sched_fake_stack, nullptr, nullptr);
@@ -315,8 +376,16 @@ inline void barrier(int line) {
 }
 
 // Deposits `n` bytes for this lane, waits for the whole simdgroup, returns the op's slots.
-inline const unsigned char (*simd_exchange(const void* data, size_t n, const char* op,
-                                           int line))[kSlotBytes] {
+// `combine(slots, nlanes)`, if given, runs once, in the last lane to arrive, before any lane
+// reads: it may rewrite the slots in place (a reduction or a matrix product computed once
+// instead of by every lane).
+using SimdSlots = unsigned char (*)[kSlotBytes];
+struct NoCombine {
+  void operator()(SimdSlots, int) const {}
+};
+template <class Combine = NoCombine>
+inline const unsigned char (*simd_exchange(const void* data, size_t n, const char* op, int line,
+                                           const Combine& combine = Combine()))[kSlotBytes] {
   Group& g = *t_group;
   Fiber& f = cur_fiber();
   const int sg = cur_simdgroup();
@@ -338,6 +407,7 @@ inline const unsigned char (*simd_exchange(const void* data, size_t n, const cha
   f.simd_seq++;
   if (++s.arrived == lanes_in(g, sg)) {
     s.arrived = 0;
+    combine(s.slots[buf], lanes_in(g, sg));
     for (int t = sg * kSimdWidth; t < sg * kSimdWidth + lanes_in(g, sg); ++t)
       if (g.fibers[t].state == State::kAtSimd) {
         g.fibers[t].state = State::kRunnable;
@@ -511,11 +581,15 @@ namespace detail {
 template <class T, class Op>
 T simd_reduce(T x, const char* name, int line, Op op) {
   static_assert(sizeof(T) <= mslemu::kSlotBytes, "simd value too large");
-  auto slots = mslemu::simd_exchange(&x, sizeof(T), name, line);
-  const int n = mslemu::lanes_in(*mslemu::t_group, mslemu::cur_simdgroup());
-  T r = mslemu::simd_gather_lane<T>(slots, 0);
-  for (int i = 1; i < n; ++i) r = op(r, mslemu::simd_gather_lane<T>(slots, i));
-  return r;
+  // Reduced once, in lane order (deterministic), into slot 0.
+  auto slots = mslemu::simd_exchange(&x, sizeof(T), name, line,
+                                     [&](mslemu::SimdSlots sl, int n) {
+                                       T r = mslemu::simd_gather_lane<T>(sl, 0);
+                                       for (int i = 1; i < n; ++i)
+                                         r = op(r, mslemu::simd_gather_lane<T>(sl, i));
+                                       std::memcpy(sl[0], &r, sizeof(T));
+                                     });
+  return mslemu::simd_gather_lane<T>(slots, 0);
 }
 template <class T>
 T simd_read(T x, int src, const char* name, int line) {
@@ -683,38 +757,46 @@ void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst, ulong elements_p
   }
 }
 
-// D = A * B + C, computed in float from the whole simdgroup's fragments.
+// D = A * B + C in float, computed once per simdgroup from all lanes' fragments.
 template <class TD, class TA, class TB, class TC>
 void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
                                    const simdgroup_matrix<TA, 8, 8>& a,
                                    const simdgroup_matrix<TB, 8, 8>& b,
                                    const simdgroup_matrix<TC, 8, 8>& c,
                                    int line = __builtin_LINE()) {
-  float mine[6] = {float(a.e[0]), float(a.e[1]), float(b.e[0]),
-                   float(b.e[1]), float(c.e[0]), float(c.e[1])};
-  auto slots = mslemu::simd_exchange(mine, sizeof(mine), "simdgroup_multiply_accumulate", line);
-  // dense[m][r][c] for m in {A, B, C}
-  float A[8][8], B[8][8];
-  float Cv[2];
-  int r, col;
-  for (int l = 0; l < mslemu::kSimdWidth; ++l) {
-    float v[6];
-    std::memcpy(v, slots[l], sizeof(v));
-    int lr, lc;
-    frag_coord(l, lr, lc);
-    for (int j = 0; j < 2; ++j) {
-      A[lr][lc + j] = v[j];
-      B[lr][lc + j] = v[2 + j];
-    }
-  }
-  frag_coord(mslemu::cur_lane(), r, col);
-  Cv[0] = mine[4];
-  Cv[1] = mine[5];
-  for (int j = 0; j < 2; ++j) {
-    float acc = Cv[j];
-    for (int k = 0; k < 8; ++k) acc += A[r][k] * B[k][col + j];
-    d.e[j] = TD(acc);
-  }
+  const float mine[6] = {float(a.e[0]), float(a.e[1]), float(b.e[0]),
+                         float(b.e[1]), float(c.e[0]), float(c.e[1])};
+  auto slots = mslemu::simd_exchange(
+      mine, sizeof(mine), "simdgroup_multiply_accumulate", line,
+      [](mslemu::SimdSlots sl, int n) {
+        float A[8][8] = {}, B[8][8] = {}, C[8][8] = {};
+        for (int l = 0; l < n; ++l) {
+          float v[6];
+          std::memcpy(v, sl[l], sizeof(v));
+          int r, col;
+          frag_coord(l, r, col);
+          for (int j = 0; j < 2; ++j) {
+            A[r][col + j] = v[j];
+            B[r][col + j] = v[2 + j];
+            C[r][col + j] = v[4 + j];
+          }
+        }
+        for (int l = 0; l < n; ++l) {
+          int r, col;
+          frag_coord(l, r, col);
+          float out[2];
+          for (int j = 0; j < 2; ++j) {
+            float acc = C[r][col + j];
+            for (int k = 0; k < 8; ++k) acc += A[r][k] * B[k][col + j];
+            out[j] = acc;
+          }
+          std::memcpy(sl[l], out, sizeof(out));
+        }
+      });
+  float out[2];
+  std::memcpy(out, slots[mslemu::cur_lane()], sizeof(out));
+  d.e[0] = TD(out[0]);
+  d.e[1] = TD(out[1]);
 }
 
 template <class TD, class TA, class TB>
