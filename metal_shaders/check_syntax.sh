@@ -34,4 +34,19 @@ for f in "$here"/tests/*.metal; do
     echo "ok      $(basename "$f") rejected as expected"
   fi
 done
+# Attributes (buffer indices, thread-position arguments) are invisible to the emulator.
+if command -v python3 >/dev/null 2>&1; then
+  if python3 "$here/lint_kernels.py" "$here"/*.metal; then
+    echo "ok      kernel signatures (buffer indices, thread-position attributes)"
+  else
+    echo "FAILED  kernel signatures" >&2; status=1
+  fi
+  if python3 "$here/lint_kernels.py" "$here"/tests/lint/*.metal 2>/dev/null; then
+    echo "FAILED  tests/lint/*.metal were accepted by lint_kernels.py" >&2; status=1
+  else
+    echo "ok      tests/lint/*.metal rejected as expected"
+  fi
+else
+  echo "skip    kernel signature lint (no python3)"
+fi
 exit $status
