@@ -192,7 +192,16 @@ def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
         return r
     if not cfg.is_decode:
         return _no("our CUDA kernel serves few-query (decode) shapes only")
+    dims = (cfg.head_dim, cfg.head_dim_v)
+    if dims not in CUDA_DECODE_HEAD_DIMS:
+        return _no(f"our CUDA decode kernel is built for head dims (D, Dv) in "
+                   f"{sorted(CUDA_DECODE_HEAD_DIMS)}, not {dims}")
     return _ok()
+
+
+# Instantiated in cuda/decode_attention*.cu.
+CUDA_DECODE_HEAD_DIMS = frozenset(
+    [(d, d) for d in (64, 72, 80, 96, 128, 192, 256, 512)] + [(192, 128), (96, 64)])
 
 
 _RULES = {
@@ -211,10 +220,23 @@ def supports(name: str, cfg: Config, direction: str, platform: str) -> Verdict:
 
 # ---- the choice ---------------------------------------------------------------
 
+def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
+    """Where our decode kernel beat cuDNN (and XLA) on the H200 (docs/cuda_decode.md):
+    with R = Lq * Hq/Hk query rows per kv head, cuDNN re-reads K/V per query head once
+    Lq > 1, so ours wins for 4 < R <= 16; where cuDNN can't serve, ours beats XLA once
+    there are enough (batch, kv head, 16-row) blocks to fill the GPU."""
+    rows = cfg.len_q * cfg.group
+    if supports_cudnn(cfg, direction, platform)[0]:
+        return 4 < rows <= 16
+    return cfg.batch * cfg.heads_kv * -(-rows // 16) >= 64
+
+
 def _preference(cfg: Config, platform: str, direction: str):
     """Fused implementations to try, fastest first, on this platform."""
     if platform == "cuda":
-        return ["cuda", "cudnn"] if cfg.is_decode else ["cudnn"]
+        if cfg.is_decode and direction == "fwd" and _cuda_decode_wins(cfg, direction, platform):
+            return ["cuda", "cudnn"]
+        return ["cudnn"]
     if platform == "cpu":
         # The Metal emulator on Linux is for testing only: never chosen implicitly.
         metal = ["metal"] if sys.platform == "darwin" else []
