@@ -116,7 +116,7 @@ def looped(unit, n):
     return jax.jit(lambda q, k, v: jax.lax.fori_loop(0, n, body, (q, k, v))[0])
 
 
-def measure(fn, args, backward, target_s=0.2, samples=5):
+def measure(fn, args, backward, target_s=0.12, samples=5):
     """Median seconds per call, temporaries (bytes) of one call, calls per sample."""
     unit = one_call(fn, backward)
     compiled = jax.jit(unit).lower(*args).compile()
