@@ -349,6 +349,39 @@ def test_unsupported_head_dim_maps_to_a_readable_error(key):
 
 
 @gpu
+@pytest.mark.parametrize("lq", [1, 256])
+def test_head_dim_512_status(lq, key):
+    """cuDNN 9.19 built a D = 512 graph on the H200 without complaint; dispatch still
+    refuses D > 256 until this shows the numbers are right (forward and backward).
+    Refused or wrong -> xfail with the reason; right -> pass (then lift the limit)."""
+    c = dict(b=1, hq=8, hk=2, lq=lq, lk=512, d=512, wr=0, br=True)
+    (q, k, v, *_), flags = make_inputs(c, "bfloat16", key)
+    dout = jax.random.normal(jax.random.fold_in(key, 5), q.shape, jnp.float32).astype(q.dtype)
+
+    @jax.jit
+    def ours(q, k, v, dout):
+        out, lse = ffi_fwd(q, k, v, **flags)
+        return (out,) + tuple(ffi_bwd(q, k, v, out, lse, dout, **flags))
+
+    try:
+        got = jax.block_until_ready(ours(q, k, v, dout))
+    except Exception as e:  # noqa: BLE001
+        pytest.xfail(f"cuDNN refuses D=512: {str(e)[:400]}")
+    f = lambda q, k, v, low: reference(q, k, v, **flags, low=low)[0]  # noqa: E731
+    want_out = f(q, k, v, None)
+    low_out = f(q, k, v, jnp.bfloat16)
+    _, vjp = jax.vjp(lambda *a: f(*a, None), *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = (want_out,) + tuple(vjp(dout.astype(jnp.float32)))
+    _, vjp_low = jax.vjp(lambda *a: f(*a, jnp.bfloat16), q, k, v)
+    low = (low_out,) + tuple(vjp_low(dout))
+    try:
+        for nm, g, w, lo in zip(("out", "dq", "dk", "dv"), got, want, low):
+            check(g, w, lo, "bfloat16", nm)
+    except AssertionError as e:
+        pytest.xfail(f"cuDNN D=512 numbers are off: {e}")
+
+
+@gpu
 def test_bottom_right_band_with_bias_is_refused_readably(key):
     # Seen on cuDNN 9.19: "Bottom right causal mask is only supported with
     # is_bias=False" (forward and backward); dispatch refuses it beforehand.
