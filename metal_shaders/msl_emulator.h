@@ -171,6 +171,8 @@ struct Group {
   uint64_t barrier_seq = 0;
   bool failed = false;
   std::string error;
+  std::vector<std::pair<const void*, size_t>> tg_arrays;  // threadgroup memory seen
+  size_t tg_bytes = 0;
   void (*body)(void* ctx, int tid) = nullptr;
   void* body_ctx = nullptr;
 #ifdef MSL_EMU_ASAN
@@ -346,6 +348,25 @@ inline std::string run_group(int nthreads, void (*body)(void*, int), void* ctx) 
   }
   t_group = saved;
   return g.failed ? g.error : std::string();
+}
+
+// Threadgroup arrays (MSL_TG_ARRAY): the first thread of a group to reach a declaration
+// fills the array with 0xFF bytes (NaN for floats), since GPU threadgroup memory starts
+// undefined, and the group's total is held to Apple GPUs' 32 KiB.
+constexpr size_t kThreadgroupMemoryLimit = 32768;
+inline void tg_register(void* p, size_t bytes) {
+  Group& g = *t_group;
+  for (auto& a : g.tg_arrays)
+    if (a.first == p) return;
+  g.tg_arrays.push_back({p, bytes});
+  g.tg_bytes += bytes;
+  if (g.tg_bytes > kThreadgroupMemoryLimit) {
+    char msg[160];
+    std::snprintf(msg, sizeof(msg), "threadgroup memory of %zu bytes exceeds %zu", g.tg_bytes,
+                  kThreadgroupMemoryLimit);
+    fail(msg);
+  }
+  std::memset(p, 0xFF, bytes);
 }
 
 // ---- rendezvous primitives used by the metal:: functions ------------------------------------
@@ -824,7 +845,9 @@ void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA
 #define threadgroup
 // One copy per OS thread; an OS thread runs one threadgroup at a time, so this is shared by
 // exactly the fibers of the running group, like threadgroup memory.
-#define MSL_TG_ARRAY(T, name, n) static thread_local T name[n]
+#define MSL_TG_ARRAY(T, name, n) \
+  static thread_local T name[n];   \
+  ::mslemu::tg_register(name, sizeof(name))
 #endif
 #define thread
 #define METAL_FUNC inline

@@ -118,6 +118,30 @@ template <typename T = void>
 }
 MSL_INSTANTIATE_KERNEL("t_deadlock", t_deadlock, void)
 
+template <typename T = void>
+[[kernel]] void t_tg_too_big(device float* x [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                             uint sg [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint tid [[thread_index_in_threadgroup]]) {
+  MSL_TG_ARRAY(float, a, 6000);
+  MSL_TG_ARRAY(float, b, 3000);  // 36 000 bytes in all: more than Apple GPUs have
+  a[tid] = b[tid] = 1.0f;
+  x[tid] = a[tid] + b[tid];
+}
+MSL_INSTANTIATE_KERNEL("t_tg_too_big", t_tg_too_big, void)
+
+template <typename T = void>
+[[kernel]] void t_tg_poison(device float* x [[buffer(0)]], uint3 tgp [[threadgroup_position_in_grid]],
+                            uint sg [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]],
+                            uint tid [[thread_index_in_threadgroup]]) {
+  MSL_TG_ARRAY(float, a, 64);
+  if (tid < 32) a[tid] = 1.0f;  // the other half is never written
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  x[tid] = a[tid];
+}
+MSL_INSTANTIATE_KERNEL("t_tg_poison", t_tg_poison, void)
+
 // ---- checks -----------------------------------------------------------------------------------
 static std::string launch1(const char* name, uint32_t gx, uint32_t threads,
                            std::vector<void*> bufs) {
@@ -340,6 +364,13 @@ int main() {
   expect_error("t_div_barrier2", "divergent threadgroup_barrier");
   expect_error("t_div_simd", "divergent simd op");
   expect_error("t_deadlock", "deadlock");
+  expect_error("t_tg_too_big", "threadgroup memory");
+  {
+    std::vector<float> x(64, 0.0f);
+    std::string e = launch1("t_tg_poison", 1, 64, {x.data()});
+    CHECK(e.empty() && x[0] == 1.0f && std::isnan(x[40]),
+          "unwritten threadgroup memory should read as NaN (%s)", e.c_str());
+  }
   std::mt19937 rng(1234);
   const Problem problems[] = {
       {2, 4, 2, 13, 21, 64, 64, true, false, true, nullptr, 0},
