@@ -104,7 +104,8 @@ def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params) -> Config:
     return Config.from_shapes(
         q.shape, k.shape, v.shape, q.dtype,
         None if mask is None else mask.shape, None if mask is None else mask.dtype,
-        sinks is not None, q_lengths is not None, kv_lengths is not None, params)
+        sinks is not None, q_lengths is not None, kv_lengths is not None, params,
+        sinks_batch=1 if sinks is None else sinks.shape[0])
 
 
 def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
@@ -277,7 +278,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     args = (query, key, value, combined, sinks, q_lengths, kv_lengths, params)
     _check_named(implementation, *args)
     out, lse = _run(*args)
-    out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n)
+    if _rows_may_be_empty(combined, kv_lengths, window_left, t, s) or q_lengths is not None:
+        out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n,
+                                      _rows_may_be_empty(combined, kv_lengths, window_left, t, s))
     out = out.reshape(output_shape)
     if return_residual:
         residual = jnp.swapaxes(lse, 1, 2)  # B N T -> B T N
@@ -286,11 +289,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     return out
 
 
-def _jax_nn_empty_rows(out, lse, value, q_lengths, t, n):
+def _rows_may_be_empty(mask, kv_lengths, window_left, t, s):
+    """Can a (non-padded) query row have no visible key under jax.nn's top-left rules?
+    Causal and right windows always leave key 0 visible; a left window empties the
+    rows past the keys' end; masks and key lengths can empty any row."""
+    return (mask is not None or kv_lengths is not None
+            or (window_left >= 0 and t - 1 - window_left > s - 1))
+
+
+def _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, uniform_possible=True):
     """jax.nn masks with a large finite negative number, so a query row with no visible
     key averages all values uniformly (padded query rows are then zeroed); its lse is
     that large negative number. Reproduce both from our lse = -inf."""
     empty = jnp.isneginf(lse)  # [B, N, T]
+    large_negative = -0.7 * float(np.finfo(np.float32).max)
+    if not uniform_possible:  # only padded rows: their output is already 0
+        return out, jnp.where(empty, large_negative, lse)
     if q_lengths is not None:
         padded = jnp.arange(t)[None, None, :] >= jnp.clip(q_lengths, 0, t)[:, None, None]
         uniform_rows = empty & ~padded
@@ -300,7 +314,6 @@ def _jax_nn_empty_rows(out, lse, value, q_lengths, t, n):
     mean_v = jnp.mean(value.astype(jnp.float32), axis=1)  # [B, K, H]
     mean_v = jnp.repeat(mean_v, n // nk, axis=1)[:, None].astype(out.dtype)  # [B, 1, N, H]
     out = jnp.where(jnp.swapaxes(uniform_rows, 1, 2)[..., None], mean_v, out)
-    large_negative = -0.7 * float(np.finfo(np.float32).max)
     lse = jnp.where(empty, large_negative, lse)
     return out, lse
 

@@ -53,6 +53,7 @@ class Config:
     has_q_lengths: bool
     has_kv_lengths: bool
     params: StaticParams
+    sinks_batch: int = 1  # sinks are [sinks_batch, Hq]: 1 (shared) or B (per batch row)
 
     @property
     def group(self) -> int:
@@ -75,7 +76,7 @@ class Config:
     @staticmethod
     def from_shapes(q_shape, k_shape, v_shape, dtype, mask_shape, mask_dtype,
                     has_sinks, has_q_lengths, has_kv_lengths,
-                    params: StaticParams) -> "Config":
+                    params: StaticParams, sinks_batch: int = 1) -> "Config":
         if params.seq_major:
             b, lq, hq, d = q_shape
             _, lk, hk, _ = k_shape

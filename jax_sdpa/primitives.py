@@ -146,12 +146,13 @@ sdpa_bwd_p.def_impl(_bwd_impl)
 # lowering
 
 def _config_from_avals(avals, flags, params) -> Config:
-    q, k, v, mask = avals[0], avals[1], avals[2], avals[3]
+    q, k, v, mask, sinks = avals
     return Config.from_shapes(
         q.shape, k.shape, v.shape, q.dtype,
         mask.shape if flags["has_mask"] else None,
         mask.dtype if flags["has_mask"] else None,
-        flags["has_sinks"], flags["has_q_lengths"], flags["has_kv_lengths"], params)
+        flags["has_sinks"], flags["has_q_lengths"], flags["has_kv_lengths"], params,
+        sinks_batch=sinks.shape[0] if flags["has_sinks"] else 1)
 
 
 def _ffi_attrs(params: StaticParams, flags):
@@ -173,7 +174,8 @@ def _lower(direction, platform):
         flags, params = _split_kwargs(kw)
         avals = ctx.avals_in
         # The optional operands start after q, k, v (fwd) or q, k, v, out, lse, dout (bwd).
-        cfg = _config_from_avals([avals[0], avals[1], avals[2], avals[n_fixed]], flags, params)
+        cfg = _config_from_avals([avals[0], avals[1], avals[2], avals[n_fixed],
+                                  avals[n_fixed + 1]], flags, params)
         lowering_platform = platform or _platform_of(ctx)
         name = dispatch.choose(cfg, lowering_platform, direction, params.implementation)
         if name in ("xla", "xla_chunked"):
