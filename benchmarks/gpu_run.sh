@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
-#   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests probe bench quick
-#                                           (default: build tests probe bench)
+#   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode probe
+#                                           bench quick (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
 # - builds and installs the package with the system g++ (the image's CXX is a GCC
@@ -66,6 +66,26 @@ if has tests; then
     timeout -s INT "${TEST_TIMEOUT:-300}" python3 -P -m pytest $paths -c "$repo/pyproject.toml" \
       --rootdir "$repo" -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-12} --timeout=120 -rfEx --tb=short \
       --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} 2>&1 | grep -v -i "benchmark" | tail -300) || rc=1
+fi
+
+if has shared; then
+  say "shared test suite with the GPU implementations (cudnn, cuda)"
+  repo=$(pwd)
+  (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest \
+    timeout -s INT "${SHARED_TIMEOUT:-240}" python3 -P -m pytest \
+      $repo/tests/test_contract.py $repo/tests/test_jax_nn_contract.py $repo/tests/test_transforms.py \
+      -c "$repo/pyproject.toml" --rootdir "$repo" -k "cudnn or cuda" -q -p no:cacheprovider \
+      -n ${TEST_WORKERS:-12} --timeout=120 -rfEs --tb=short --junitxml="$OUT/pytest_shared.xml" \
+      2>&1 | tail -120) || rc=1
+fi
+
+if has decode; then
+  say "our CUDA decode kernels through the installed module: correctness, then timing"
+  repo=$(pwd)
+  (cd /tmp && timeout "${DECODE_CHECK_TIMEOUT:-120}" python3 -P $repo/benchmarks/gpu_decode.py \
+     --module --only check --out "$OUT" 2>&1 | tail -25) || rc=1
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-150}" python3 -P \
+     $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
 fi
 
 if has probe; then
