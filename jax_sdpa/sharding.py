@@ -14,9 +14,10 @@ operand is all-gathered. `primitives._lower` therefore hands a multi-device lowe
   heads can follow consistently (query heads are contiguous groups per kv head):
   `Hk % n == 0` (each shard holds whole kv heads) or `n % Hk == 0` (more head shards
   than kv heads, MQA included: each kv head is split over the n/Hk shards whose query
-  heads use it, and their dk/dv are psum'd). Everything else (sequence, head dim, an
-  inconsistent head split) is resharded to replicated by XLA before the call: slower,
-  never wrong;
+  heads use it, and their dk/dv are psum'd). Devices that split the sequence or the
+  head dim are given heads instead (XLA reshards with an all-to-all, as in Ulysses
+  sequence parallelism) or else batch; only when neither divides is the call
+  replicated over them (an all-gather before it): slower, never wrong;
 - per shard, the primitive is bound again on the local shapes (a fully manual context),
   so the platform lowering chooses the kernel (FFI or the pure-JAX reference) for the
   shard's shapes.
@@ -141,20 +142,34 @@ def _plan(layout: _Layout, shardings, allow_reduce: bool = True) -> _Plan:
     if tiles is None:
         devices = np.asarray(shardings[0]._device_assignment, dtype=object)
         return _Plan(Mesh(devices.reshape(1, 1, 1, -1), _AXES), (), (), (), ())
-    tb, th = tiles.shape[0], tiles.shape[h]
     hq, hk = layout.heads_q, layout.heads_kv
+
+    def heads_ok(n):
+        # The n head shards hold contiguous query heads: each holds whole kv heads
+        # (Hk % n == 0), or n/Hk consecutive shards share one kv head (n % Hk == 0).
+        return n > 1 and hq % n == 0 and (hk % n == 0 or (n % hk == 0 and allow_reduce))
+
+    other = [i for i in (1, 2, 3) if i != h]  # sequence and head dim
+    tb, th = tiles.shape[0], tiles.shape[h]
+    t_other = math.prod(tiles.shape[i] for i in other)
+    # Devices that split the sequence (or head dim) would otherwise all compute the
+    # same replicated call: give them heads instead (an all-to-all, as in Ulysses
+    # sequence parallelism), else batch; only without either do they replicate.
+    if t_other > 1 and heads_ok(th * t_other):
+        devices = tiles.transpose([0, h] + other + [4]).reshape(tb, th * t_other, -1)
+    elif t_other > 1 and layout.batch % (tb * t_other) == 0:
+        devices = tiles.transpose([0] + other + [h, 4]).reshape(tb * t_other, th, -1)
+    else:
+        devices = tiles.transpose([0, h] + other + [4]).reshape(tb, th, -1)
+    tb, th = devices.shape[:2]
     batch = (_B,) if tb > 1 and layout.batch % tb == 0 else ()
-    # The n = th head shards hold contiguous query heads. Either each holds whole kv
-    # heads (Hk % n == 0) or n/Hk consecutive shards share one kv head (n % Hk == 0):
-    # the head tiles factor as (kv-head shards, shards per kv head) = (_HK, _HG).
-    if th > 1 and hq % th == 0 and hk % th == 0:
+    if heads_ok(th) and hk % th == 0:
         t_kv, t_group = th, 1
-    elif th > 1 and hq % th == 0 and th % hk == 0 and allow_reduce:
+    elif heads_ok(th):
         t_kv, t_group = hk, th // hk
     else:  # no consistent split: the head tiles are folded into the replicated rest
         t_kv = t_group = 1
-    order = [0, h] + [i for i in range(tiles.ndim) if i not in (0, h)]
-    mesh = Mesh(tiles.transpose(order).reshape(tb, t_kv, t_group, -1), _AXES)
+    mesh = Mesh(devices.reshape(tb, t_kv, t_group, -1), _AXES)
     heads = tuple(a for a, t in ((_HK, t_kv), (_HG, t_group)) if t > 1)
     return _Plan(mesh, batch, heads, (_HK,) if t_kv > 1 else (),
                  (_HG,) if t_group > 1 else ())

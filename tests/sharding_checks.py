@@ -206,6 +206,16 @@ def _resharded(spec_dims, shape_q, shape_kv):
                       allowed_fwd=anything, allowed_grad=anything)
 
 
+def p_sequence_sharded_to_heads():
+    # the devices splitting the sequence get heads (all-to-all), not a replicated call
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(2, 8, 16, 8), normal(2, 4, 16, 8), normal(2, 4, 16, 8)
+    s = NamedSharding(m, P("b", None, "h"))
+    moves = ("all-to-all", "collective-permute")
+    check_partitioned(sdpa(mask="causal"), (q, k, v), (s, s, s), (0, 1, 2),
+                      allowed_fwd=moves, allowed_grad=moves, kernel_shape="f32[1,2,16,8]")
+
+
 def p_sequence_sharded():
     _resharded((None, None, "x"), (2, 4, 32, 8), (2, 2, 32, 8))
 
@@ -255,9 +265,9 @@ def p_vmap_under_jit():
 
 PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_heads_full_mask_sinks_qlengths,
              p_explicit_mesh, p_scan_checkpoint, p_seq_major_jax_nn, p_mqa_heads,
-             p_sequence_sharded, p_head_dim_sharded, p_more_head_shards_than_kv_heads,
-             p_indivisible_heads,
-             p_gspmd_partitioner, p_vmap_under_jit]
+             p_sequence_sharded_to_heads, p_sequence_sharded, p_head_dim_sharded,
+             p_more_head_shards_than_kv_heads, p_indivisible_heads, p_gspmd_partitioner,
+             p_vmap_under_jit]
 
 
 # ---------------------------------------------------------------------------

@@ -8,8 +8,9 @@ check and the test reports every failing one.
 - partitioning (jax_sdpa/sharding.py): under jit with NamedShardings over batch and/or
   heads (GQA, MQA, seq-major, masks, sinks, lengths, vmap, Shardy and GSPMD) the results
   equal the unsharded call, forward and gradients, and the compiled HLO has no
-  all-gather (MQA's dk/dv and the sinks' gradient need one all-reduce); sequence or
-  head-dim shardings are resharded and stay correct; the fused kernel runs per shard.
+  all-gather (MQA's dk/dv and the sinks' gradient need one all-reduce); a sequence split
+  becomes a head split (all-to-all), other sequence or head-dim shardings are resharded
+  and stay correct; the fused kernel runs per shard.
 - ring attention (jax_sdpa/ring.py): inside shard_map it equals full attention, causal and
   not, contiguous and zig-zag, with sinks and GQA, forward and gradients, also with the
   batch on an automatic axis of a partially manual shard_map (no all-gather).
