@@ -148,9 +148,12 @@ def _reference_f64(q, k, v, do, kw):
         def f(q, k, v):
             return reference.forward(q, k, v, mask, sinks, ql, kvl, params)[0]
 
-        q64, k64, v64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
-        out, vjp = jax.vjp(f, q64, k64, v64)
-        grads = vjp(jnp.asarray(do, jnp.float64))
+        @jax.jit  # one compile, not one per op
+        def out_and_grads(q, k, v, do):
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(do)
+
+        out, grads = out_and_grads(*(jnp.asarray(x, jnp.float64) for x in (q, k, v, do)))
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
@@ -275,13 +278,13 @@ def cmd_bench(args) -> int:
 def _demo_config(platform, small):
     from jax_sdpa.examples import gpt
 
-    if platform == "cuda":
+    if small:
+        cfg = gpt.GPTConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=1, max_len=128)
+        batch, prompt = 2, 48
+    elif platform == "cuda":
         cfg = gpt.GPTConfig(d_model=1024, n_heads=16, n_kv_heads=4, n_layers=4,
                             max_len=8192, dtype=jnp.bfloat16)
         batch, prompt = 4, 4096
-    elif small:
-        cfg = gpt.GPTConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, max_len=128)
-        batch, prompt = 2, 48
     else:
         cfg = gpt.GPTConfig(d_model=256, n_heads=8, n_kv_heads=2, n_layers=2, max_len=1024)
         batch, prompt = 2, 512
@@ -351,6 +354,13 @@ def _explain_phase(cfg, batch, length, phase, implementation, platform):
     return fwd
 
 
+def _demo_error(e):
+    msg = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, NotImplementedError):
+        return "refused: " + msg.split("can't serve this call: ")[-1][:100]
+    return f"{type(e).__name__}: {msg[:100]}"
+
+
 def run_demo(steps=16, small=False, out=None) -> list:
     """The README's main job; returns the table rows."""
     from flax import nnx
@@ -376,23 +386,32 @@ def run_demo(steps=16, small=False, out=None) -> list:
     valid = np.arange(prompt_len)[None] < np.asarray(lengths)[:, None]
 
     rows_spec = _demo_rows(platform)
-    bar = bench._Progress(3 * len(rows_spec), "demo", enabled=True)
+    bar = bench._Progress(3 * len(rows_spec) + 1, "demo", enabled=True)
     results = {}
     table = []
     try:
+        # a cache to decode from for rows whose own prefill can't run (e.g. decode-only
+        # kernels); the Flax model's jitted prefill is reused by its own row below
+        bar.step("reference prefill")
+        ref_model = gpt.with_attention(base, "flax")
+        _, base_cache = gpt._prefill(*nnx.split(ref_model), tokens, lengths, cfg.max_len)
         for label, attention, impl in rows_spec:
             model = gpt.with_attention(base, attention, impl)
             graphdef, state = nnx.split(model)
             res = {}
+            cache = base_cache
+            # one implementation (or phase) failing must not hide the others
+            bar.step(f"{label}: prefill")
             try:
-                # prefill
-                bar.step(f"{label}: prefill")
                 (logits, cache), t = _timed(gpt._prefill, graphdef, state, tokens, lengths,
                                             cfg.max_len)
                 mem = _temp_bytes(gpt._prefill, graphdef, state, tokens, lengths, cfg.max_len)
                 res["prefill"] = (np.asarray(logits, np.float32)[valid], t, mem)
-                # N decode steps (teacher-forced with the same tokens for every row spec)
-                bar.step(f"{label}: {steps} decode steps")
+            except Exception as e:
+                res["prefill"] = _demo_error(e)
+            # N decode steps, teacher-forced with the same tokens for every row
+            bar.step(f"{label}: {steps} decode steps")
+            try:
                 jax.block_until_ready(gpt._decode(graphdef, state, decode_tokens[0], cache))
                 step_logits = []
                 t0 = time.perf_counter()
@@ -403,17 +422,19 @@ def run_demo(steps=16, small=False, out=None) -> list:
                 jax.block_until_ready(c)
                 t = (time.perf_counter() - t0) / steps
                 mem = _temp_bytes(gpt._decode, graphdef, state, decode_tokens[0], cache)
-                res["decode"] = (np.stack([np.asarray(x, np.float32) for x in step_logits]), t,
-                                 mem)
-                # one training step: loss and grads
-                bar.step(f"{label}: train step")
+                res["decode"] = (np.stack([np.asarray(x, np.float32) for x in step_logits]),
+                                 t, mem)
+            except Exception as e:
+                res["decode"] = _demo_error(e)
+            # one training step: loss and gradients
+            bar.step(f"{label}: train step")
+            try:
                 g, p, r = nnx.split(model, nnx.Param, ...)
                 (loss, grads), t = _timed(gpt._loss_and_grads, g, p, r, train_tokens)
                 mem = _temp_bytes(gpt._loss_and_grads, g, p, r, train_tokens)
                 res["train"] = ((loss, grads), t, mem)
-            except Exception as e:  # one implementation failing must not hide the others
-                msg = (str(e).strip().splitlines() or [""])[0][:120]
-                res["error"] = f"{type(e).__name__}: {msg}"
+            except Exception as e:
+                res["train"] = _demo_error(e)
             results[label] = (attention, impl, res)
     finally:
         bar.close()
@@ -421,17 +442,17 @@ def run_demo(steps=16, small=False, out=None) -> list:
     ref = results["flax default (jax.nn)"][2]
     for label, (attention, impl, res) in results.items():
         for phase in ("prefill", "decode", "train"):
-            if "error" in res and phase not in res:
-                table.append([phase, label, "-", res["error"], "-", "-"])
+            if isinstance(res[phase], str):
+                table.append([phase, label, impl or "-", res[phase], "-", "-"])
                 continue
             value, t, mem = res[phase]
             used = ("jax.nn xla (flax)" if attention == "flax" else
                     _explain_phase(cfg, batch, prompt_len, phase, impl, platform))
             delta = "-"
-            if phase in ref and attention != "flax":
-                delta = f"{_max_abs_diff(value, ref[phase][0]):.2e}"
-            elif attention == "flax":
+            if attention == "flax":
                 delta = "(reference)"
+            elif not isinstance(ref[phase], str):
+                delta = f"{_max_abs_diff(value, ref[phase][0]):.2e}"
             per = " / step" if phase == "decode" else ""
             table.append([phase, label, used, f"{t * 1e3:.2f} ms{per}",
                           bench._fmt_bytes(mem), delta])

@@ -31,6 +31,8 @@ def test_check_quick(capsys):
 def test_check_reports_failure(monkeypatch, capsys):
     # a broken implementation must give a FAIL line and a non-zero exit
     monkeypatch.setattr(cli, "_tolerance", lambda impl, dtype, xla_err: -1.0)
+    one_case = cli._check_cases(quick=True)[:1]
+    monkeypatch.setattr(cli, "_check_cases", lambda quick: one_case)
     assert cli.main(["check", "--quick", "-i", "xla_chunked"]) == 1
     assert "FAIL" in capsys.readouterr().out
 

@@ -42,8 +42,7 @@ def _tree_close(got, want, rtol=1e-5, what=""):
 # the function alone
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_function_matches_flax_batch_dims_bias_masks(impl):
+def test_function_matches_flax_batch_dims_bias_masks():
     seed = _seed()
     ks = jax.random.split(jax.random.key(seed), 6)
     q = jax.random.normal(ks[0], (2, 3, 7, 4, 16))
@@ -52,14 +51,17 @@ def test_function_matches_flax_batch_dims_bias_masks(impl):
     bias = jax.random.normal(ks[3], (3, 1, 7, 9))  # broadcast over the first batch dim
     mask = jax.random.bernoulli(ks[4], 0.7, (2, 3, 1, 7, 9))
     float_mask = mask.astype(jnp.float32)  # Flax: nonzero = attend
-    fn = make_attention_fn(implementation=impl)
     want = nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
-    _close(jax.jit(fn)(q, k, v, bias, mask), want, what=f"seed {seed}")
-    _close(jax.jit(lambda *a: fn(*a[:3], bias=a[3], mask=a[4]))(q, k, v, bias, float_mask),
-           want, what=f"seed {seed}")
-    # no batch dims at all
-    want = nn.dot_product_attention(q[0, 0], k[0, 0], v[0, 0], mask=mask[0, 0])
-    _close(jax.jit(fn)(q[0, 0], k[0, 0], v[0, 0], None, mask[0, 0]), want, what=f"seed {seed}")
+    want0 = nn.dot_product_attention(q[0, 0], k[0, 0], v[0, 0], mask=mask[0, 0])
+    for impl in IMPLS:
+        fn = make_attention_fn(implementation=impl)
+        what = f"{impl}, seed {seed}"
+        _close(jax.jit(fn)(q, k, v, bias, mask), want, what=what)
+        if impl is None:
+            _close(jax.jit(lambda *a: fn(*a[:3], bias=a[3], mask=a[4]))(
+                q, k, v, bias, float_mask), want, what=what)
+            # no batch dims at all
+            _close(jax.jit(fn)(q[0, 0], k[0, 0], v[0, 0], None, mask[0, 0]), want0, what=what)
 
 
 def test_function_dtype_and_promotion():
@@ -104,78 +106,70 @@ def test_function_sinks_and_errors():
 
 # --------------------------------------------------------------------------
 # linen
+#
+# Each check computes Flax's reference once and compares every implementation with it
+# (one compile of the reference per test keeps the suite fast).
 
 
-def _linen_pair(impl, **kw):
-    ours = nn.MultiHeadDotProductAttention(attention_fn=make_attention_fn(implementation=impl),
-                                           **kw)
-    theirs = nn.MultiHeadDotProductAttention(**kw)
-    return ours, theirs
-
-
-def _linen_check(ours, theirs, args, kwargs, seed, rngs=None, rtol=1e-5):
+def _linen_check(impls, module_kw, args, kwargs, seed, rngs=None, rtol=1e-5, causal=False):
+    theirs = nn.MultiHeadDotProductAttention(**module_kw)
+    our_mask = kwargs.get("our_mask")
+    kwargs = {k: v for k, v in kwargs.items() if k != "our_mask"}
     params = theirs.init(jax.random.key(seed), *args, **kwargs)
 
-    def loss(module, p, *a):
-        out = module.apply(p, *a, **kwargs, rngs=rngs)
-        return jnp.sum(out * jnp.cos(out)), out
+    def run(module, call_kwargs):
+        def loss(p, *a):
+            out = module.apply(p, *a, **call_kwargs, rngs=rngs)
+            return jnp.sum(out * jnp.cos(out)), out
 
-    grads = {}
-    outs = {}
-    for name, module in (("ours", ours), ("theirs", theirs)):
-        fn = jax.jit(jax.value_and_grad(functools.partial(loss, module), has_aux=True))
-        (_, outs[name]), grads[name] = fn(params, *args)
-    _close(outs["ours"], outs["theirs"], rtol, f"seed {seed}")
-    _tree_close(grads["ours"], grads["theirs"], rtol * 5, f"seed {seed}")
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, *args)
+        return out, grads
+
+    want_out, want_grads = run(theirs, kwargs)
+    for impl in impls:
+        fn = make_attention_fn(is_causal=causal, implementation=impl)
+        ours = nn.MultiHeadDotProductAttention(attention_fn=fn, **module_kw)
+        # with causal=True the function supplies the causal part of the mask itself
+        call_kwargs = dict(kwargs, mask=our_mask) if causal else kwargs
+        out, grads = run(ours, call_kwargs)
+        _close(out, want_out, rtol, f"{impl}, seed {seed}")
+        _tree_close(grads, want_grads, rtol * 5, f"{impl} grads, seed {seed}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_linen_self_attention_causal_and_padding(impl):
+def test_linen_self_attention_causal_and_padding():
     seed = _seed()
-    ks = jax.random.split(jax.random.key(seed), 2)
     b, t, f = 2, 13, 32
-    x = jax.random.normal(ks[0], (b, t, f))
-    lengths = jnp.array([t, 9])
-    valid = jnp.arange(t)[None] < lengths[:, None]
-    mask = nn.combine_masks(nn.make_causal_mask(jnp.ones((b, t))),
-                            nn.make_attention_mask(valid, valid))
-    ours, theirs = _linen_pair(impl, num_heads=4, qkv_features=32)
-    _linen_check(ours, theirs, (x,), dict(mask=mask), seed)
+    x = jax.random.normal(jax.random.key(seed), (b, t, f))
+    valid = jnp.arange(t)[None] < jnp.array([t, 9])[:, None]
+    padding = nn.make_attention_mask(valid, valid)
+    mask = nn.combine_masks(nn.make_causal_mask(jnp.ones((b, t))), padding)
+    _linen_check(IMPLS, dict(num_heads=4, qkv_features=32), (x,), dict(mask=mask), seed)
+    # make_attention_fn(is_causal=True) + the padding mask == Flax with both masks
+    _linen_check([None], dict(num_heads=4, qkv_features=32), (x,),
+                 dict(mask=mask, our_mask=padding), seed, causal=True)
 
 
-def test_linen_cross_attention_padding(impl=None):
+def test_linen_cross_attention_padding():
     seed = _seed()
     ks = jax.random.split(jax.random.key(seed), 2)
     xq = jax.random.normal(ks[0], (3, 5, 24))
     xkv = jax.random.normal(ks[1], (3, 11, 16))
     kv_valid = jnp.arange(11)[None] < jnp.array([11, 4, 7])[:, None]
     mask = nn.make_attention_mask(jnp.ones((3, 5), bool), kv_valid)
-    ours, theirs = _linen_pair(impl, num_heads=2, qkv_features=16, out_features=8)
-    _linen_check(ours, theirs, (xq, xkv), dict(mask=mask), seed)
+    _linen_check([None], dict(num_heads=2, qkv_features=16, out_features=8), (xq, xkv),
+                 dict(mask=mask), seed)
 
 
-def test_linen_is_causal_fn_equals_causal_mask():
-    seed = _seed()
-    x = jax.random.normal(jax.random.key(seed), (2, 10, 16))
-    ours = nn.MultiHeadDotProductAttention(num_heads=2,
-                                           attention_fn=make_attention_fn(is_causal=True))
-    theirs = nn.MultiHeadDotProductAttention(num_heads=2)
-    params = theirs.init(jax.random.key(seed + 1), x)
-    got = jax.jit(ours.apply)(params, x)
-    want = theirs.apply(params, x, mask=nn.make_causal_mask(jnp.ones((2, 10))))
-    _close(got, want, what=f"seed {seed}")
-
-
-@pytest.mark.parametrize("broadcast", [True, False])
-def test_linen_dropout_equals_flax(broadcast):
+def test_linen_dropout_equals_flax():
     seed = _seed()
     x = jax.random.normal(jax.random.key(seed), (2, 3, 8, 16))  # two batch dims
-    kw = dict(num_heads=2, dropout_rate=0.4, broadcast_dropout=broadcast,
-              deterministic=False)
-    ours, theirs = _linen_pair(None, **kw)
-    _linen_check(ours, theirs, (x,), {}, seed, rngs={"dropout": jax.random.key(seed + 7)})
+    for broadcast in (True, False):
+        kw = dict(num_heads=2, dropout_rate=0.4, broadcast_dropout=broadcast,
+                  deterministic=False)
+        _linen_check([None], kw, (x,), {}, seed, rngs={"dropout": jax.random.key(seed + 7)})
     # the dropout really applies: different rngs give different outputs
-    params = theirs.init(jax.random.key(0), x)
+    ours = nn.MultiHeadDotProductAttention(attention_fn=attention_fn, **kw)
+    params = ours.init(jax.random.key(0), x)
     a = ours.apply(params, x, rngs={"dropout": jax.random.key(1)})
     b = ours.apply(params, x, rngs={"dropout": jax.random.key(2)})
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3
@@ -184,12 +178,15 @@ def test_linen_dropout_equals_flax(broadcast):
 def test_linen_sow_weights_and_bf16():
     seed = _seed()
     x = jax.random.normal(jax.random.key(seed), (2, 6, 16))
-    ours, theirs = _linen_pair(None, num_heads=2)
+    ours = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attention_fn)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=2)
     params = theirs.init(jax.random.key(1), x)
     _, ours_w = ours.apply(params, x, sow_weights=True, mutable=["intermediates"])
     _, theirs_w = theirs.apply(params, x, sow_weights=True, mutable=["intermediates"])
     _tree_close(ours_w, theirs_w, what=f"seed {seed}")
-    ours, theirs = _linen_pair(None, num_heads=2, dtype=jnp.bfloat16)
+    ours = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attention_fn,
+                                           dtype=jnp.bfloat16)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=2, dtype=jnp.bfloat16)
     got, want = jax.jit(ours.apply)(params, x), theirs.apply(params, x)
     assert got.dtype == want.dtype == jnp.bfloat16
     _close(got, want, rtol=3e-2, what=f"seed {seed}")
@@ -199,26 +196,29 @@ def test_linen_sow_weights_and_bf16():
 # nnx
 
 
-def _nnx_pair(impl, seed, **kw):
-    fn = make_attention_fn(implementation=impl)
-    ours = nnx.MultiHeadAttention(attention_fn=fn, rngs=nnx.Rngs(seed), **kw)
-    theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed), **kw)
-    return ours, theirs
-
-
-def _nnx_check(ours, theirs, args, kwargs, seed, rtol=1e-5):
-    @nnx.jit
-    def run(model, *a):
+def _nnx_run(model, args, kwargs):
+    @nnx.jit  # kwargs (masks, flags) closed over: flags must stay static
+    def run(model, args):
         def loss(m):
-            out = m(*a, **kwargs)
+            out = m(*args, **kwargs)
             return jnp.sum(out * jnp.cos(out)), out
 
-        return nnx.value_and_grad(loss, has_aux=True)(model)
+        (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return out, nnx.state(grads, nnx.Param)
 
-    (_, out_o), g_o = run(ours, *args)
-    (_, out_t), g_t = run(theirs, *args)
-    _close(out_o, out_t, rtol, f"seed {seed}")
-    _tree_close(nnx.state(g_o, nnx.Param), nnx.state(g_t, nnx.Param), rtol * 5, f"seed {seed}")
+    return run(model, args)
+
+
+def _nnx_check(impls, module_kw, args, kwargs, seed, rtol=1e-5, causal=False,
+               our_kwargs=None):
+    theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed), **module_kw)
+    want_out, want_grads = _nnx_run(theirs, args, kwargs)
+    for impl in impls:
+        fn = make_attention_fn(is_causal=causal, implementation=impl)
+        ours = nnx.MultiHeadAttention(attention_fn=fn, rngs=nnx.Rngs(seed), **module_kw)
+        out, grads = _nnx_run(ours, args, kwargs if our_kwargs is None else our_kwargs)
+        _close(out, want_out, rtol, f"{impl}, seed {seed}")
+        _tree_close(grads, want_grads, rtol * 5, f"{impl} grads, seed {seed}")
 
 
 def _nnx_supports_gqa():
@@ -229,56 +229,43 @@ def _nnx_supports_gqa():
 GQA = [1, 2] if _nnx_supports_gqa() else [1]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_nnx_gqa_causal_padding(impl):
-    """Every implementation: GQA (where nnx has it) with a causal + padding mask."""
-    _nnx_self_attention(impl, GQA[-1], variants=False)
-
-
 @pytest.mark.parametrize("group", GQA)
-def test_nnx_self_attention_causal_variants(group):
-    _nnx_self_attention(None, group, variants=True)
-
-
-def _nnx_self_attention(impl, group, variants):
+def test_nnx_self_attention_causal_padding(group):
+    """GQA where nnx has it, causal + padding masks, every implementation."""
     seed = _seed()
-    ks = jax.random.split(jax.random.key(seed), 2)
     b, t, f, heads = 2, 11, 32, 4
-    x = jax.random.normal(ks[0], (b, t, f))
+    x = jax.random.normal(jax.random.key(seed), (b, t, f))
     valid = jnp.arange(t)[None] < jnp.array([t, 6])[:, None]
-    mask = nnx.combine_masks(nnx.make_causal_mask(jnp.ones((b, t))),
-                             nnx.make_attention_mask(valid, valid))
+    causal = nnx.make_causal_mask(jnp.ones((b, t)))
+    mask = nnx.combine_masks(causal, nnx.make_attention_mask(valid, valid))
     kw = dict(num_heads=heads, in_features=f, qkv_features=32, decode=False)
     if group > 1:
         kw["num_kv_heads"] = heads // group
-    ours, theirs = _nnx_pair(impl, seed, **kw)
-    _nnx_check(ours, theirs, (x,), dict(mask=mask), seed)
-    if not variants:
+    _nnx_check(IMPLS if group == GQA[-1] else [None], kw, (x,), dict(mask=mask), seed)
+    if group > 1:
         return
     # nnx's own is_causal= flag, and make_attention_fn(is_causal=True)
-    _nnx_check(ours, theirs, (x,), dict(is_causal=True), seed)
-    causal_fn = make_attention_fn(is_causal=True, implementation=impl)
-    ours_c = nnx.MultiHeadAttention(attention_fn=causal_fn, rngs=nnx.Rngs(seed), **kw)
-    _nnx_check(ours_c, theirs, (x,), dict(mask=nnx.make_causal_mask(jnp.ones((b, t)))), seed)
+    _nnx_check([None], kw, (x,), dict(is_causal=True), seed)
+    _nnx_check([None], kw, (x,), dict(mask=causal), seed, causal=True, our_kwargs={})
 
 
-def test_nnx_cross_attention(impl=None):
+def test_nnx_cross_attention():
     seed = _seed()
     ks = jax.random.split(jax.random.key(seed), 2)
     xq = jax.random.normal(ks[0], (2, 4, 16))
     xkv = jax.random.normal(ks[1], (2, 9, 16))
     kv_valid = jnp.arange(9)[None] < jnp.array([9, 3])[:, None]
     mask = nnx.make_attention_mask(jnp.ones((2, 4), bool), kv_valid)
-    ours, theirs = _nnx_pair(impl, seed, num_heads=2, in_features=16, decode=False)
-    _nnx_check(ours, theirs, (xq, xkv), dict(mask=mask), seed)
+    _nnx_check([None], dict(num_heads=2, in_features=16, decode=False), (xq, xkv),
+               dict(mask=mask), seed)
 
 
 def test_nnx_dropout_equals_flax():
     seed = _seed()
     x = jax.random.normal(jax.random.key(seed), (2, 8, 16))
     kw = dict(num_heads=2, in_features=16, dropout_rate=0.3, decode=False)
-    fn = make_attention_fn()
-    ours = nnx.MultiHeadAttention(attention_fn=fn, rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
+    ours = nnx.MultiHeadAttention(attention_fn=attention_fn,
+                                  rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
     theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
     a = ours(x, deterministic=False)
     b = theirs(x, deterministic=False)
@@ -293,7 +280,9 @@ def test_nnx_decode_cache_matches_flax():
     """nnx's own KV-cache decoding (a length mask over the cache) through attention_fn."""
     seed = _seed()
     x = jax.random.normal(jax.random.key(seed), (2, 5, 16))
-    ours, theirs = _nnx_pair(None, seed, num_heads=2, in_features=16, decode=True)
+    kw = dict(num_heads=2, in_features=16, decode=True)
+    ours = nnx.MultiHeadAttention(attention_fn=attention_fn, rngs=nnx.Rngs(seed), **kw)
+    theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed), **kw)
     for m in (ours, theirs):
         m.init_cache(x.shape)
     step = nnx.jit(lambda m, x: m(x))
