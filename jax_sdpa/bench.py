@@ -233,8 +233,8 @@ def run_one(impl: str, case: Case, direction: str, platform: str, min_time=0.3) 
         return row
     try:
         jitted, args, calls = build(impl, case, direction)
-        row["temp_bytes"] = temp_bytes(jitted, args)
         t = time_fn(jitted, args, min_time=min_time) / calls
+        row["temp_bytes"] = temp_bytes(jitted, args)  # after the call: a cache hit
     except Exception as e:  # a failing peer or OOM must not stop the run
         msg = str(e).strip().splitlines()
         row["error"] = f"{type(e).__name__}: {msg[0][:160] if msg else ''}"

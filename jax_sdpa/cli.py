@@ -315,14 +315,17 @@ def _max_abs_diff(a, b):
                for x, y in zip(la, lb))
 
 
-def _demo_rows(platform):
+def _demo_rows(platform, cfg, batch, length):
     """(label, attention, implementation) rows: jax_sdpa's choice, every other fused
     implementation that can run here, and Flax's default attention (jax.nn xla)."""
     from jax_sdpa import bench
 
     rows = [("jax_sdpa (auto)", "jax_sdpa", None)]
     for name in bench.available_implementations(platform):
-        if name not in ("xla", "xla_chunked"):
+        # named fused rows beside auto, unless auto already is that one everywhere
+        if name not in ("xla", "xla_chunked") and any(
+                _explain_phase(cfg, batch, length, phase, None, platform) != name
+                for phase in ("prefill", "decode", "train")):
             rows.append((f"jax_sdpa {name}", "jax_sdpa", name))
     rows.append(("jax_sdpa xla_chunked", "jax_sdpa", "xla_chunked"))
     rows.append(("flax default (jax.nn)", "flax", None))
@@ -385,7 +388,7 @@ def run_demo(steps=16, small=False, out=None) -> list:
     decode_tokens = jnp.asarray(rng.integers(0, cfg.vocab, (steps, batch, 1)), jnp.int32)
     valid = np.arange(prompt_len)[None] < np.asarray(lengths)[:, None]
 
-    rows_spec = _demo_rows(platform)
+    rows_spec = _demo_rows(platform, cfg, batch, prompt_len)
     bar = bench._Progress(3 * len(rows_spec) + 1, "demo", enabled=True)
     results = {}
     table = []

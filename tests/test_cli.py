@@ -19,11 +19,12 @@ def test_info(capsys):
 
 
 def test_check_quick(capsys):
-    code = cli.main(["check", "--quick", "-i", "xla", "-i", "xla_chunked"])
+    impls = ["xla_chunked"] + [n for n in ("cpu",) if _ext.has_backend(n)]
+    code = cli.main(["check", "--quick"] + [a for n in impls for a in ("-i", n)])
     out = capsys.readouterr().out
     assert code == 0, out
     lines = [ln for ln in out.splitlines() if ln.startswith(("ok", "FAIL", "SKIP"))]
-    assert len(lines) == 2 * 3 * 2  # implementations x cases x directions
+    assert len(lines) == len(impls) * 3 * 2  # implementations x cases x directions
     assert all(ln.startswith("ok") for ln in lines), out
     assert "all passed" in out
 
@@ -39,8 +40,9 @@ def test_check_reports_failure(monkeypatch, capsys):
 
 def test_bench_tiny_json_and_plot(tmp_path, capsys):
     path = tmp_path / "bench.json"
+    impls = ["xla_chunked", "jax.nn:xla"] + [n for n in ("cpu",) if _ext.has_backend(n)]
     argv = ["bench", "--suite", "tiny", "--json", str(path), "--min-time", "0.01",
-            "--no-progress"]
+            "--no-progress"] + [a for n in impls for a in ("-i", n)]
     try:
         import matplotlib  # noqa: F401
         plot = tmp_path / "bench.png"
@@ -53,7 +55,6 @@ def test_bench_tiny_json_and_plot(tmp_path, capsys):
     report = json.loads(path.read_text())
     assert {"date", "device", "versions", "results", "suite"} <= set(report)
     assert report["suite"] == "tiny"
-    impls = bench.available_implementations() + bench.peers()
     cases, dirs = bench.SUITES["tiny"]
     assert len(report["results"]) == len(cases) * len(dirs) * len(impls)
     for r in report["results"]:

@@ -89,5 +89,5 @@ def test_training_step_grads_match_flax(models):
     # and a few optimizer steps reduce the loss
     model = gpt.GPT(CFG, rngs=nnx.Rngs(seed))
     step = gpt.make_train_step(model, learning_rate=1e-2)
-    losses = [float(step(tokens)) for _ in range(4)]
+    losses = [float(step(tokens)) for _ in range(3)]
     assert losses[-1] < losses[0], losses

@@ -163,15 +163,22 @@ def test_linen_cross_attention_padding():
 def test_linen_dropout_equals_flax():
     seed = _seed()
     x = jax.random.normal(jax.random.key(seed), (2, 3, 8, 16))  # two batch dims
-    for broadcast in (True, False):
-        kw = dict(num_heads=2, dropout_rate=0.4, broadcast_dropout=broadcast,
-                  deterministic=False)
-        _linen_check([None], kw, (x,), {}, seed, rngs={"dropout": jax.random.key(seed + 7)})
-    # the dropout really applies: different rngs give different outputs
+    rngs = {"dropout": jax.random.key(seed + 7)}
+    # outputs and grads, per-element dropout
+    kw = dict(num_heads=2, dropout_rate=0.4, broadcast_dropout=False, deterministic=False)
+    _linen_check([None], kw, (x,), {}, seed, rngs=rngs)
+    # broadcast dropout (shared over batch and heads): outputs
+    kw = dict(kw, broadcast_dropout=True)
     ours = nn.MultiHeadDotProductAttention(attention_fn=attention_fn, **kw)
-    params = ours.init(jax.random.key(0), x)
-    a = ours.apply(params, x, rngs={"dropout": jax.random.key(1)})
-    b = ours.apply(params, x, rngs={"dropout": jax.random.key(2)})
+    theirs = nn.MultiHeadDotProductAttention(**kw)
+    params = theirs.init(jax.random.key(0), x)
+    apply_ours = jax.jit(lambda p, x, key: ours.apply(p, x, rngs={"dropout": key}))
+    _close(apply_ours(params, x, rngs["dropout"]),
+           jax.jit(lambda p, x, key: theirs.apply(p, x, rngs={"dropout": key}))(
+               params, x, rngs["dropout"]), what=f"seed {seed}")
+    # the dropout really applies: different rngs give different outputs
+    a = apply_ours(params, x, jax.random.key(1))
+    b = apply_ours(params, x, jax.random.key(2))
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3
 
 
@@ -267,10 +274,11 @@ def test_nnx_dropout_equals_flax():
     ours = nnx.MultiHeadAttention(attention_fn=attention_fn,
                                   rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
     theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
-    a = ours(x, deterministic=False)
-    b = theirs(x, deterministic=False)
+    train = nnx.jit(lambda m, x: m(x, deterministic=False))  # advances m's dropout rng
+    a = train(ours, x)
+    b = train(theirs, x)
     _close(a, b, what=f"seed {seed}")
-    a2 = ours(x, deterministic=False)  # next rng draw: a different dropout pattern
+    a2 = train(ours, x)  # next rng draw: a different dropout pattern
     assert float(jnp.max(jnp.abs(a - a2))) > 1e-3
     run = nnx.jit(lambda m, x: m(x, deterministic=True))
     _close(run(ours, x), run(theirs, x), what=f"seed {seed}")
