@@ -67,6 +67,13 @@ SUITES = {
                   ("fwd", "fwd+bwd")),
     "cpu-causal": (_sweep("B1 H8 D64 causal", (256, 512, 1024, 2048, 4096), b=1, hq=8, hk=8,
                           d=64, causal=True), ("fwd", "fwd+bwd")),
+    # long sequences on a CPU: forward to 16k, forward+backward to 8k (minutes)
+    "cpu-long": (_sweep("B1 H4 D64", (1024, 2048, 4096, 8192, 16384), b=1, hq=4, hk=4, d=64),
+                 ("fwd",)),
+    "cpu-long-train": (_sweep("B1 H4 D64", (1024, 2048, 4096, 8192), b=1, hq=4, hk=4, d=64),
+                       ("fwd+bwd",)),
+    "cpu-long-bf16": (_sweep("B1 H4 D64 bf16", (1024, 4096, 8192, 16384), b=1, hq=4, hk=4,
+                             d=64, dtype="bfloat16"), ("fwd", "fwd+bwd")),
     # GPU rows of PEERS.md
     "prefill": ([
         Case("B4 H32 L4096 D128", 4, 32, 32, 4096, 4096, 128, "bfloat16"),
