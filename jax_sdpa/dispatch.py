@@ -72,7 +72,8 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
         return r
     if max(cfg.head_dim, cfg.head_dim_v) > 512:
         return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
-    return _ok()
+    return _ok("native flash-attention kernel: faster than xla on every CPU shape measured "
+               "(benchmarks/results/cpu_*), O(L) memory")
 
 
 def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
