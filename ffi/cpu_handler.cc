@@ -89,31 +89,7 @@ ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
 }  // namespace jax_sdpa
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaCpuFwd, jax_sdpa::CpuFwd,
-                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q
-                                                            .Arg<xla::ffi::AnyBuffer>()  // k
-                                                            .Arg<xla::ffi::AnyBuffer>()  // v
-                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
-                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
-                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
-                                                            .Ret<xla::ffi::AnyBuffer>()  // out
-                                                            .Ret<xla::ffi::AnyBuffer>()  // lse
-                                                            ));
+                              jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaCpuBwd, jax_sdpa::CpuBwd,
-                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q
-                                                            .Arg<xla::ffi::AnyBuffer>()  // k
-                                                            .Arg<xla::ffi::AnyBuffer>()  // v
-                                                            .Arg<xla::ffi::AnyBuffer>()  // out
-                                                            .Arg<xla::ffi::AnyBuffer>()  // lse
-                                                            .Arg<xla::ffi::AnyBuffer>()  // dout
-                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
-                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
-                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
-                                                            .Ret<xla::ffi::AnyBuffer>()  // dq
-                                                            .Ret<xla::ffi::AnyBuffer>()  // dk
-                                                            .Ret<xla::ffi::AnyBuffer>()  // dv
-                                                            ));
+                              jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));

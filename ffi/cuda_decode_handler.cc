@@ -107,17 +107,8 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_sdpa_cuda_fwd, jax_sdpa::CudaFwdImpl,
-    jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // q
-                                  .Arg<xla::ffi::AnyBuffer>()   // k
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // sinks
-                                  .Arg<xla::ffi::AnyBuffer>()   // q_lengths
-                                  .Arg<xla::ffi::AnyBuffer>()   // kv_lengths
-                                  .Ret<xla::ffi::AnyBuffer>()   // out
-                                  .Ret<xla::ffi::AnyBuffer>()));  // lse
+    jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()
+                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                .Ctx<xla::ffi::ScratchAllocator>()));
 
 JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd);

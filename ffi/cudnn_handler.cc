@@ -134,39 +134,15 @@ namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxSdpaCudnnFwd, jax_sdpa::CudnnFwd,
-    jax_sdpa::bind_sdpa_attrs(ffi::Ffi::Bind()
+    jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // sinks
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                              ));
+                                  .Ctx<ffi::ScratchAllocator>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxSdpaCudnnBwd, jax_sdpa::CudnnBwd,
-    jax_sdpa::bind_sdpa_attrs(ffi::Ffi::Bind()
+    jax_sdpa::bind_sdpa_bwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // sinks
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                              ));
+                                  .Ctx<ffi::ScratchAllocator>()));
 
 JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cudnn_fwd", JaxSdpaCudnnFwd);
 JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cudnn_bwd", JaxSdpaCudnnBwd);

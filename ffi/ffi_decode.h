@@ -44,6 +44,41 @@ auto bind_sdpa_attrs(Binding binding) {
       .template Attr<bool>("has_kv_lengths");
 }
 
+// The complete bindings of the two custom calls -- operands, results and attributes in
+// the contract's order -- appended to whatever context a handler binds first
+// (e.g. ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()).
+template <typename Binding>
+auto bind_sdpa_fwd(Binding binding) {
+  return bind_sdpa_attrs(std::move(binding)
+                             .template Arg<ffi::AnyBuffer>()   // q
+                             .template Arg<ffi::AnyBuffer>()   // k
+                             .template Arg<ffi::AnyBuffer>()   // v
+                             .template Arg<ffi::AnyBuffer>()   // mask
+                             .template Arg<ffi::AnyBuffer>()   // sinks
+                             .template Arg<ffi::AnyBuffer>()   // q_lengths
+                             .template Arg<ffi::AnyBuffer>()   // kv_lengths
+                             .template Ret<ffi::AnyBuffer>()   // out
+                             .template Ret<ffi::AnyBuffer>());  // lse
+}
+
+template <typename Binding>
+auto bind_sdpa_bwd(Binding binding) {
+  return bind_sdpa_attrs(std::move(binding)
+                             .template Arg<ffi::AnyBuffer>()   // q
+                             .template Arg<ffi::AnyBuffer>()   // k
+                             .template Arg<ffi::AnyBuffer>()   // v
+                             .template Arg<ffi::AnyBuffer>()   // out
+                             .template Arg<ffi::AnyBuffer>()   // lse
+                             .template Arg<ffi::AnyBuffer>()   // dout
+                             .template Arg<ffi::AnyBuffer>()   // mask
+                             .template Arg<ffi::AnyBuffer>()   // sinks
+                             .template Arg<ffi::AnyBuffer>()   // q_lengths
+                             .template Arg<ffi::AnyBuffer>()   // kv_lengths
+                             .template Ret<ffi::AnyBuffer>()   // dq
+                             .template Ret<ffi::AnyBuffer>()   // dk
+                             .template Ret<ffi::AnyBuffer>());  // dv
+}
+
 inline SdpaAttrs make_attrs(double scale, int64_t window_left, int64_t window_right,
                             bool bottom_right, bool seq_major, bool has_mask,
                             bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {

@@ -104,34 +104,10 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
 }  // namespace jax_sdpa
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaMetalFwd, jax_sdpa::MetalFwd,
-                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q
-                                                            .Arg<xla::ffi::AnyBuffer>()  // k
-                                                            .Arg<xla::ffi::AnyBuffer>()  // v
-                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
-                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
-                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
-                                                            .Ret<xla::ffi::AnyBuffer>()  // out
-                                                            .Ret<xla::ffi::AnyBuffer>()  // lse
-                                                            ));
+                              jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaMetalBwd, jax_sdpa::MetalBwd,
-                              jax_sdpa::bind_sdpa_attrs(xla::ffi::Ffi::Bind()
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q
-                                                            .Arg<xla::ffi::AnyBuffer>()  // k
-                                                            .Arg<xla::ffi::AnyBuffer>()  // v
-                                                            .Arg<xla::ffi::AnyBuffer>()  // out
-                                                            .Arg<xla::ffi::AnyBuffer>()  // lse
-                                                            .Arg<xla::ffi::AnyBuffer>()  // dout
-                                                            .Arg<xla::ffi::AnyBuffer>()  // mask
-                                                            .Arg<xla::ffi::AnyBuffer>()  // sinks
-                                                            .Arg<xla::ffi::AnyBuffer>()  // q_lengths
-                                                            .Arg<xla::ffi::AnyBuffer>()  // kv_lengths
-                                                            .Ret<xla::ffi::AnyBuffer>()  // dq
-                                                            .Ret<xla::ffi::AnyBuffer>()  // dk
-                                                            .Ret<xla::ffi::AnyBuffer>()  // dv
-                                                            ));
+                              jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
 
 NB_MODULE(_sdpa_metal, m) {
   m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";
