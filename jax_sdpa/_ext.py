@@ -44,11 +44,6 @@ def has_backend(implementation: str) -> bool:
     return f"jax_sdpa_{implementation}_fwd" in _targets
 
 
-def has_target(target: str) -> bool:
-    _load()
-    return target in _targets
-
-
 def module(name: str):
     _load()
     return _modules.get(name)

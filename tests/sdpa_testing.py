@@ -235,11 +235,6 @@ def assert_close(got, want, dtype, xla_same_dtype=None, rtol_fp32=FP32_RTOL, wha
     return err
 
 
-def poison_env():
-    """Handlers fill their outputs with NaN first when this is set (see ffi/ffi_decode.h)."""
-    os.environ["JAX_SDPA_POISON_OUTPUTS"] = "1"
-
-
 class serves_or_skip:
     """Context manager: a named implementation that can't serve this case (it raises
     NotImplementedError with its reason) skips the test instead of failing it."""
