@@ -1,6 +1,6 @@
 // XLA FFI handlers of the native CPU kernel: jax_sdpa_cpu_fwd / jax_sdpa_cpu_bwd.
 // Operands and attributes as in docs/ffi_contract.md; everything is checked by
-// decode_inputs / check_like / check_lse before the kernel touches memory.
+// decode_forward / decode_backward before the kernel touches memory.
 #include <cstring>
 #include <string>
 
@@ -21,22 +21,14 @@ ffi::Error CpuFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
   SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major, has_mask,
                            has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
-    return e;
-  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
+  SdpaFwdBuffers buf;
+  if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &buf);
       e.failure())
     return e;
-  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
   if (poison_outputs_requested()) {  // tests: an element the kernel misses shows up as NaN
     std::memset(out->untyped_data(), 0xff, out->size_bytes());
     std::memset(lse->untyped_data(), 0xff, lse->size_bytes());
   }
-  SdpaFwdBuffers buf;
-  buf.q = q.untyped_data();
-  buf.k = k.untyped_data();
-  buf.v = v.untyped_data();
-  buf.out = out->untyped_data();
-  buf.lse = static_cast<float*>(lse->untyped_data());
   if (const char* err = cpu::sdpa_forward(p, buf)) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -51,36 +43,16 @@ ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
   SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major, has_mask,
                            has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
-    return e;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", Dv); e.failure())
-    return e;
-  if (auto e = check_like("dout", dout.dimensions(), dout.element_type(), q, "q", Dv);
+  SdpaBwdBuffers buf;
+  if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
+                               *dk, *dv, &p, &buf);
       e.failure())
-    return e;
-  if (auto e = check_lse(lse.dimensions(), lse.element_type(), p); e.failure()) return e;
-  if (auto e = check_like("dq", dq->dimensions(), dq->element_type(), q, "q", D); e.failure())
-    return e;
-  if (auto e = check_like("dk", dk->dimensions(), dk->element_type(), k, "k", D); e.failure())
-    return e;
-  if (auto e = check_like("dv", dv->dimensions(), dv->element_type(), v, "v", Dv); e.failure())
     return e;
   if (poison_outputs_requested()) {
     std::memset(dq->untyped_data(), 0xff, dq->size_bytes());
     std::memset(dk->untyped_data(), 0xff, dk->size_bytes());
     std::memset(dv->untyped_data(), 0xff, dv->size_bytes());
   }
-  SdpaBwdBuffers buf;
-  buf.q = q.untyped_data();
-  buf.k = k.untyped_data();
-  buf.v = v.untyped_data();
-  buf.out = out.untyped_data();
-  buf.lse = static_cast<const float*>(lse.untyped_data());
-  buf.dout = dout.untyped_data();
-  buf.dq = dq->untyped_data();
-  buf.dk = dk->untyped_data();
-  buf.dv = dv->untyped_data();
   if (const char* err = cpu::sdpa_backward(p, buf)) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }

@@ -55,23 +55,14 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
                                      has_mask, has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, &p);
+  SdpaFwdBuffers buf;
+  if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
+                              &buf);
       e.failure())
     return e;
-  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
-      e.failure())
-    return e;
-  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
   const std::string why = cuda_decode::unsupported_reason(p);
   if (!why.empty())
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda decode: " + why);
-
-  SdpaFwdBuffers buf;
-  buf.q = q.untyped_data();
-  buf.k = k.untyped_data();
-  buf.v = v.untyped_data();
-  buf.out = out->untyped_data();
-  buf.lse = static_cast<float*>(lse->untyped_data());
 
   if (poison_outputs_requested()) {
     cudaError_t e = cudaMemsetAsync(buf.out, 0xFF, out->size_bytes(), stream);

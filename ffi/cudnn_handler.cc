@@ -58,23 +58,15 @@ ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
                                      has_mask, has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, &p);
+  SdpaFwdBuffers b;
+  if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
+                              &b);
       e.failure())
     return e;
-  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
-      e.failure())
-    return e;
-  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
 
   if (auto e = poison(out, stream); e.failure()) return e;
   if (auto e = poison(lse, stream); e.failure()) return e;
 
-  SdpaFwdBuffers b;
-  b.q = q.untyped_data();
-  b.k = k.untyped_data();
-  b.v = v.untyped_data();
-  b.out = out->untyped_data();
-  b.lse = static_cast<float*>(lse->untyped_data());
   FfiScratch s(scratch);
   return to_ffi(cudnn::sdpa_forward(p, b, stream, s));
 }
@@ -90,39 +82,15 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
                                      has_mask, has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, &p);
-      e.failure())
-    return e;
-  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p.head_dim_v);
-      e.failure())
-    return e;
-  if (auto e = check_like("dout", dout.dimensions(), dout.element_type(), q, "q", p.head_dim_v);
-      e.failure())
-    return e;
-  if (auto e = check_lse(lse.dimensions(), lse.element_type(), p); e.failure()) return e;
-  if (auto e = check_like("dq", dq->dimensions(), dq->element_type(), q, "q", p.head_dim);
-      e.failure())
-    return e;
-  if (auto e = check_like("dk", dk->dimensions(), dk->element_type(), k, "k", p.head_dim);
-      e.failure())
-    return e;
-  if (auto e = check_like("dv", dv->dimensions(), dv->element_type(), v, "v", p.head_dim_v);
+  SdpaBwdBuffers b;
+  if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
+                               kv_lengths, *dq, *dk, *dv, &p, &b);
       e.failure())
     return e;
 
   for (auto* r : {&dq, &dk, &dv})
     if (auto e = poison(*r, stream); e.failure()) return e;
 
-  SdpaBwdBuffers b;
-  b.q = q.untyped_data();
-  b.k = k.untyped_data();
-  b.v = v.untyped_data();
-  b.out = out.untyped_data();
-  b.lse = static_cast<const float*>(lse.untyped_data());
-  b.dout = dout.untyped_data();
-  b.dq = dq->untyped_data();
-  b.dk = dk->untyped_data();
-  b.dv = dv->untyped_data();
   FfiScratch s(scratch);
   return to_ffi(cudnn::sdpa_backward(p, b, stream, s));
 }

@@ -282,6 +282,67 @@ inline ffi::Error check_lse(ffi::AnyBuffer::Dimensions d, ffi::DataType t, const
   return ffi::Error::Success();
 }
 
+// Everything a forward handler checks and collects before it runs: the inputs
+// (decode_inputs), out and lse against them, and the buffers' addresses.
+inline ffi::Error decode_forward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
+                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                 const ffi::AnyBuffer& mask, const ffi::AnyBuffer& sinks,
+                                 const ffi::AnyBuffer& q_lengths, const ffi::AnyBuffer& kv_lengths,
+                                 const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                 SdpaParams* p, SdpaFwdBuffers* buf) {
+  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, p); e.failure())
+    return e;
+  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p->head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse.dimensions(), lse.element_type(), *p); e.failure()) return e;
+  buf->q = q.untyped_data();
+  buf->k = k.untyped_data();
+  buf->v = v.untyped_data();
+  buf->out = out.untyped_data();
+  buf->lse = static_cast<float*>(lse.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The same for a backward handler: inputs, out/dout/lse, and dq/dk/dv.
+inline ffi::Error decode_backward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
+                                  const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                  const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                  const ffi::AnyBuffer& dout, const ffi::AnyBuffer& mask,
+                                  const ffi::AnyBuffer& sinks, const ffi::AnyBuffer& q_lengths,
+                                  const ffi::AnyBuffer& kv_lengths, const ffi::AnyBuffer& dq,
+                                  const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv,
+                                  SdpaParams* p, SdpaBwdBuffers* buf) {
+  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, p); e.failure())
+    return e;
+  struct Like {
+    const char* name;
+    const ffi::AnyBuffer& buf;
+    const ffi::AnyBuffer& like;
+    const char* like_name;
+    int64_t last_dim;
+  };
+  const Like checks[] = {{"out", out, q, "q", p->head_dim_v}, {"dout", dout, q, "q", p->head_dim_v},
+                         {"dq", dq, q, "q", p->head_dim},     {"dk", dk, k, "k", p->head_dim},
+                         {"dv", dv, v, "v", p->head_dim_v}};
+  for (const Like& c : checks)
+    if (auto e = check_like(c.name, c.buf.dimensions(), c.buf.element_type(), c.like, c.like_name,
+                            c.last_dim);
+        e.failure())
+      return e;
+  if (auto e = check_lse(lse.dimensions(), lse.element_type(), *p); e.failure()) return e;
+  buf->q = q.untyped_data();
+  buf->k = k.untyped_data();
+  buf->v = v.untyped_data();
+  buf->out = out.untyped_data();
+  buf->lse = static_cast<const float*>(lse.untyped_data());
+  buf->dout = dout.untyped_data();
+  buf->dq = dq.untyped_data();
+  buf->dk = dk.untyped_data();
+  buf->dv = dv.untyped_data();
+  return ffi::Error::Success();
+}
+
 // Tests set JAX_SDPA_POISON_OUTPUTS=1 so that handlers fill every output with NaN
 // before running the kernel: an element the kernel forgets to write then fails
 // the comparison instead of passing on whatever memory held. Read once.

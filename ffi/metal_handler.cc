@@ -40,18 +40,10 @@ ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
   const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
                                  has_mask, has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
-    return e;
-  if (auto e = check_like("out", out->dimensions(), out->element_type(), q, "q", p.head_dim_v);
+  SdpaFwdBuffers io;
+  if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &io);
       e.failure())
     return e;
-  if (auto e = check_lse(lse->dimensions(), lse->element_type(), p); e.failure()) return e;
-  SdpaFwdBuffers io;
-  io.q = q.untyped_data();
-  io.k = k.untyped_data();
-  io.v = v.untyped_data();
-  io.out = out->untyped_data();
-  io.lse = static_cast<float*>(lse->untyped_data());
   metal::Plan plan;
   if (std::string why = metal::plan_forward(p, io, &plan); !why.empty()) return unsupported(why);
   return run_plan(plan);
@@ -67,34 +59,11 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
   const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
                                  has_mask, has_sinks, has_q_lengths, has_kv_lengths);
   SdpaParams p;
-  if (auto e = decode_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, &p); e.failure())
-    return e;
-  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p.head_dim_v);
-      e.failure())
-    return e;
-  if (auto e = check_like("dout", dout.dimensions(), dout.element_type(), q, "q", p.head_dim_v);
-      e.failure())
-    return e;
-  if (auto e = check_lse(lse.dimensions(), lse.element_type(), p); e.failure()) return e;
-  if (auto e = check_like("dq", dq->dimensions(), dq->element_type(), q, "q", p.head_dim);
-      e.failure())
-    return e;
-  if (auto e = check_like("dk", dk->dimensions(), dk->element_type(), k, "k", p.head_dim);
-      e.failure())
-    return e;
-  if (auto e = check_like("dv", dv->dimensions(), dv->element_type(), v, "v", p.head_dim_v);
-      e.failure())
-    return e;
   SdpaBwdBuffers io;
-  io.q = q.untyped_data();
-  io.k = k.untyped_data();
-  io.v = v.untyped_data();
-  io.out = out.untyped_data();
-  io.lse = static_cast<const float*>(lse.untyped_data());
-  io.dout = dout.untyped_data();
-  io.dq = dq->untyped_data();
-  io.dk = dk->untyped_data();
-  io.dv = dv->untyped_data();
+  if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
+                               *dk, *dv, &p, &io);
+      e.failure())
+    return e;
   metal::Plan plan;
   if (std::string why = metal::plan_backward(p, io, &plan); !why.empty()) return unsupported(why);
   return run_plan(plan);
