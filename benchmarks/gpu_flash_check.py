@@ -1,0 +1,415 @@
+"""Our CUDA flash-attention prefill kernels (DRAFT, docs/cuda_flash.md) on the GPU:
+correctness matrix against a float64 numpy reference, then the issue-6 timing rows.
+
+Run on the H200 machine after building the package with the CUDA backend:
+    python3 benchmarks/gpu_flash_check.py --out $OUT                  # TF32 fp32 + fp16/bf16
+    JAX_SDPA_CUDA_FP32=highest python3 benchmarks/gpu_flash_check.py --only check --fp32-tol 1e-5
+
+Calls `jax_sdpa_cuda_flash_fwd` and `jax_sdpa_cuda_flash_bwd` (when registered) directly through
+jax.ffi.ffi_call after registering them from jax_sdpa._sdpa_cuda.registrations(); dispatch does
+not route these targets yet. Outputs are poisoned (JAX_SDPA_POISON_OUTPUTS=1) so that an element
+the kernel forgets to write shows up as NaN. The fp32 precision mode is read by the handler once
+per process from JAX_SDPA_CUDA_FP32 (unset: TF32, "highest": 3xTF32).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("JAX_SDPA_POISON_OUTPUTS", "1")
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+FWD = "jax_sdpa_cuda_flash_fwd"
+BWD = "jax_sdpa_cuda_flash_bwd"
+DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
+HIGHEST = os.environ.get("JAX_SDPA_CUDA_FP32", "") == "highest"
+
+
+def register():
+    from jax_sdpa import _sdpa_cuda  # type: ignore
+
+    caps = _sdpa_cuda.registrations()
+    found = []
+    for name in (FWD, BWD):
+        if name in caps:
+            try:  # jax_sdpa._ext may already have registered it (same capsule)
+                jax.ffi.register_ffi_target(name, caps[name], platform="CUDA")
+            except Exception as e:  # noqa: BLE001
+                print(f"note: registering {name}: {e}", flush=True)
+            found.append(name)
+    if FWD not in found:
+        sys.exit(f"{FWD} is not in jax_sdpa._sdpa_cuda.registrations(): {sorted(caps)}")
+    return found
+
+
+def flash_fwd(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, wl=-1,
+              wr=-1, bottom_right=True, seq_major=False):
+    """out, lse from our kernel; q/k/v head-major [B,H,L,D] or seq-major [B,L,H,D]."""
+    if seq_major:
+        B, Lq, Hq, D = q.shape
+    else:
+        B, Hq, Lq, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    zf, zi = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
+    call = jax.ffi.ffi_call(FWD, (jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype),
+                                  jax.ShapeDtypeStruct((B, Hq, Lq), jnp.float32)))
+    return call(q, k, v, zf if mask is None else mask, zf if sinks is None else sinks,
+                zi if qlen is None else qlen, zi if kvlen is None else kvlen,
+                scale=float(scale), window_left=int(wl), window_right=int(wr),
+                bottom_right=bool(bottom_right), seq_major=bool(seq_major),
+                has_mask=mask is not None, has_sinks=sinks is not None,
+                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None)
+
+
+def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qlen=None,
+              kvlen=None, wl=-1, wr=-1, bottom_right=True, seq_major=False):
+    """dq, dk, dv from our backward kernel (same layouts as flash_fwd)."""
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    zf, zi = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
+    call = jax.ffi.ffi_call(BWD, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
+    return call(q, k, v, out, lse, dout, zf if mask is None else mask,
+                zf if sinks is None else sinks, zi if qlen is None else qlen,
+                zi if kvlen is None else kvlen,
+                scale=float(scale), window_left=int(wl), window_right=int(wr),
+                bottom_right=bool(bottom_right), seq_major=bool(seq_major),
+                has_mask=mask is not None, has_sinks=sinks is not None,
+                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None)
+
+
+# ---------------------------------------------------------------------------
+# float64 reference of docs/ffi_contract.md, head-major
+# ---------------------------------------------------------------------------
+def reference(q, k, v, *, scale, mask=None, sinks=None, qlen=None, kvlen=None, wl=-1, wr=-1,
+              bottom_right=True, want_p=False):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, Lq, _ = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    kk, vv = np.repeat(k, Hq // Hk, axis=1), np.repeat(v, Hq // Hk, axis=1)
+    s = np.einsum("bhid,bhjd->bhij", q, kk) * scale
+    vis = np.zeros((B, 1, Lq, Lk), bool)
+    rows = np.zeros((B, Lq), bool)
+    i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+    for b in range(B):
+        ql = Lq if qlen is None else int(np.clip(qlen[b], 0, Lq))
+        kl = Lk if kvlen is None else int(np.clip(kvlen[b], 0, Lk))
+        d = j - (i + (kl - ql if bottom_right else 0))
+        ok = (i < ql) & (j < kl)
+        if wl >= 0:
+            ok &= d >= -wl
+        if wr >= 0:
+            ok &= d <= wr
+        vis[b, 0] = ok
+        rows[b] = np.arange(Lq) < ql
+    vis = np.broadcast_to(vis, s.shape).copy()
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.dtype == np.bool_:
+            vis &= np.broadcast_to(m, s.shape)
+        else:
+            s = s + np.broadcast_to(np.asarray(m, np.float64), s.shape)
+    with np.errstate(all="ignore"):
+        s = np.where(vis, s, -np.inf)
+        mx = s.max(-1)
+        if sinks is not None:
+            sk = np.broadcast_to(np.asarray(sinks, np.float64)[:, :, None], (B, Hq, Lq))
+            mx = np.maximum(mx, sk)
+        mf = np.where(np.isfinite(mx), mx, 0.0)
+        p = np.exp(s - mf[..., None])
+        tot = p.sum(-1) + (np.exp(sk - mf) if sinks is not None else 0.0)
+        safe = np.where(tot > 0, tot, 1.0)
+        lse = np.where(tot > 0, mf + np.log(safe), -np.inf)
+        out = np.einsum("bhij,bhjd->bhid", p, vv) / safe[..., None]
+    empty = ~np.isfinite(lse) | ~rows[:, None, :]
+    out, lse = np.where(empty[..., None], 0.0, out), np.where(empty, -np.inf, lse)
+    if want_p:
+        with np.errstate(all="ignore"):
+            pr = np.where(empty[..., None], 0.0, p / safe[..., None])
+        return out, lse, pr
+    return out, lse
+
+
+def reference_bwd(q, k, v, out, dout, pr, scale):
+    """dq, dk, dv (float64, head-major) of docs/ffi_contract.md from the probabilities."""
+    q, k, v, out, dout = (np.asarray(x, np.float64) for x in (q, k, v, out, dout))
+    B, Hq, Lq, D = q.shape
+    Hk = k.shape[1]
+    G = Hq // Hk
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    delta = (dout * out).sum(-1)
+    dp = np.einsum("bhid,bhjd->bhij", dout, vv)
+    ds = pr * (dp - delta[..., None])
+    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kk)
+    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q).reshape(B, Hk, G, -1, D).sum(2)
+    dv = np.einsum("bhij,bhid->bhjd", pr, dout).reshape(B, Hk, G, -1, v.shape[-1]).sum(2)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# correctness matrix
+# ---------------------------------------------------------------------------
+def cases():
+    out = []
+    dims = [(64, 64), (72, 72), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256),
+            (320, 320), (512, 512), (512, 128), (128, 512), (96, 64), (8, 8), (40, 136)]
+    for n, (D, Dv) in enumerate(dims):
+        for dt in ("fp32", "fp16", "bf16"):
+            out.append(dict(name=f"{dt} D{D}/Dv{Dv} gqa2 Lq{129 + n} Lk{200 + 11 * n}", dt=dt,
+                            B=2, Hq=4, Hk=2, Lq=129 + n, Lk=200 + 11 * n, D=D, Dv=Dv,
+                            sinks=n % 3 == 0, wr=0 if n % 2 else -1))
+    for dt in ("fp32", "fp16", "bf16"):
+        def c(**kw):
+            return {**dict(dt=dt, D=64, Dv=64, B=2, Hq=4, Hk=2), **kw}
+
+        out += [
+            c(name=f"{dt} Lq1 Lk1", Lq=1, Lk=1),
+            c(name=f"{dt} Lq7 Lk127", Lq=7, Lk=127),
+            c(name=f"{dt} causal top-left Lq300 Lk200", Lq=300, Lk=200, wr=0,
+              bottom_right=False),
+            c(name=f"{dt} causal bottom-right Lq130 Lk333 qlen kvlen", Lq=130, Lk=333, wr=0,
+              qlen="rand", kvlen="rand"),
+            c(name=f"{dt} causal bottom-right Lq333 Lk130 (empty rows)", Lq=333, Lk=130, wr=0),
+            c(name=f"{dt} window 37/5", Lq=257, Lk=257, wl=37, wr=5),
+            c(name=f"{dt} window left only 50", Lq=200, Lk=300, wl=50, bottom_right=False),
+            c(name=f"{dt} bool mask [B,1,Lq,Lk] + empty rows", Lq=100, Lk=150, mask="bool_b1"),
+            c(name=f"{dt} bool mask [1,1,1,Lk]", Lq=65, Lk=190, mask="bool_k"),
+            c(name=f"{dt} additive f32 [1,Hq,Lq,Lk] with -inf", Lq=70, Lk=99, mask="add_f32"),
+            c(name=f"{dt} additive bf16 [B,1,1,Lk]", Lq=64, Lk=128, mask="add_bf16"),
+            c(name=f"{dt} sinks [B,Hq] + kvlen 0", Lq=90, Lk=160, sinks="batch", kvlen="zero1"),
+            c(name=f"{dt} qlen 0 row + sinks", Lq=50, Lk=60, sinks=True, qlen="zero1"),
+            c(name=f"{dt} seq_major gqa4", Lq=150, Lk=170, seq_major=True, kvlen="rand",
+              Hq=8),
+            c(name=f"{dt} MQA", Lq=128, Lk=256, Hq=6, Hk=1),
+            c(name=f"{dt} long Lq1025 Lk1100 causal", Lq=1025, Lk=1100, wr=0, B=1, Hq=2, Hk=1),
+        ]
+    out.append(dict(name="bf16 D512 B1 H4 L600 causal kvlen", dt="bf16", B=1, Hq=4, Hk=4,
+                    Lq=600, Lk=600, D=512, Dv=512, wr=0, kvlen="rand"))
+    out.append(dict(name="fp32 D512 B1 H2 L300 sinks", dt="fp32", B=1, Hq=2, Hk=2, Lq=300,
+                    Lk=300, D=512, Dv=512, sinks=True))
+    return out
+
+
+def make_inputs(c, rng):
+    dt = DTYPES[c["dt"]]
+    B, Hq, Hk, Lq, Lk, D, Dv = (c[x] for x in ("B", "Hq", "Hk", "Lq", "Lk", "D", "Dv"))
+    q = rng.standard_normal((B, Hq, Lq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, Lk, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hk, Lk, Dv)).astype(np.float32)
+    q, k, v = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x in (q, k, v))
+    kw = dict(wl=c.get("wl", -1), wr=c.get("wr", -1), bottom_right=c.get("bottom_right", True),
+              scale=1.0 / math.sqrt(D))
+    for key, L in (("qlen", Lq), ("kvlen", Lk)):
+        mode = c.get(key)
+        if mode == "rand":
+            x = rng.integers(0, L + 1, size=B).astype(np.int32)
+            x[0] = L + 3  # clamped
+            kw[key] = x
+        elif mode == "zero1":
+            x = np.full((B,), L, np.int32)
+            x[-1] = 0
+            kw[key] = x
+    m = c.get("mask")
+    if m == "bool_b1":
+        mm = rng.random((B, 1, Lq, Lk)) < 0.7
+        mm[0, 0, 3, :] = False  # an empty row
+        kw["mask"] = mm
+    elif m == "bool_k":
+        kw["mask"] = rng.random((1, 1, 1, Lk)) < 0.5
+    elif m == "add_f32":
+        mm = rng.standard_normal((1, Hq, Lq, Lk)).astype(np.float32)
+        mm[0, :, 5, :] = -np.inf
+        mm[0, 1, :, 7] = -np.inf
+        kw["mask"] = mm
+    elif m == "add_bf16":
+        kw["mask"] = np.asarray(jnp.asarray(rng.standard_normal((B, 1, 1, Lk)), jnp.bfloat16))
+    s = c.get("sinks")
+    if s:
+        kw["sinks"] = rng.standard_normal((B if s == "batch" else 1, Hq)).astype(np.float32)
+    return (q, k, v), kw
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())) if b.size else 0.0
+
+
+def run_check(seed=0, fp32_tol=None, with_bwd=False):
+    rng = np.random.default_rng(seed)
+    tol = {"fp32": fp32_tol or (2e-5 if HIGHEST else 2e-3), "fp16": 4e-3, "bf16": 2.5e-2}
+    results, fails = [], 0
+    for c in cases():
+        (q, k, v), kw = make_inputs(c, rng)
+        ref_o, ref_l, ref_p = reference(q, k, v, want_p=True, **kw)
+        dt = DTYPES[c["dt"]]
+        sm = c.get("seq_major", False)
+        tr = (lambda x: np.swapaxes(x, 1, 2)) if sm else (lambda x: x)
+        args = [jnp.asarray(tr(x), dt) for x in (q, k, v)]
+        jkw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val)
+               for key, val in kw.items()}
+        try:
+            o, lse = jax.block_until_ready(flash_fwd(*args, seq_major=sm, **jkw))
+        except Exception as e:  # noqa: BLE001
+            results.append(dict(case=c["name"], ok=False, error=str(e)[:300]))
+            fails += 1
+            print(f"FAIL {c['name']}: {e}", flush=True)
+            continue
+        o = tr(np.asarray(o, np.float64))
+        lse = np.asarray(lse, np.float64)
+        scale_o = max(1.0, float(np.abs(ref_o).max()))
+        err_o = float(np.abs(o - ref_o).max()) / scale_o if o.size else 0.0
+        fin = np.isfinite(ref_l)
+        inf_ok = bool(np.array_equal(fin, np.isfinite(lse)) and
+                      np.all(lse[~fin] == -np.inf))
+        err_l = float(np.abs(lse[fin] - ref_l[fin]).max()) if fin.any() else 0.0
+        nan = bool(np.isnan(o).any())
+        ok = (not nan) and inf_ok and err_o <= tol[c["dt"]] and err_l <= 4 * tol[c["dt"]]
+        res = dict(case=c["name"], ok=ok, err_out=err_o, err_lse=err_l, nan=nan,
+                   lse_inf_pattern_ok=inf_ok)
+        if with_bwd:
+            # Backward from the reference's out/lse (rounded like a real forward's) so
+            # that its error is the backward's own.
+            dout = np.asarray(jnp.asarray(rng.standard_normal(ref_o.shape), dt)
+                              .astype(jnp.float32))
+            out_d = np.asarray(jnp.asarray(ref_o, dt).astype(jnp.float32))
+            rdq, rdk, rdv = reference_bwd(q, k, v, out_d, dout, ref_p, kw["scale"])
+            try:
+                g = jax.block_until_ready(flash_bwd(
+                    *args, jnp.asarray(tr(out_d), dt), jnp.asarray(ref_l, jnp.float32),
+                    jnp.asarray(tr(dout), dt), seq_major=sm, **jkw))
+                errs = [_rel(tr(np.asarray(x, np.float64)), r)
+                        for x, r in zip(g, (rdq, rdk, rdv))]
+                bnan = any(bool(np.isnan(np.asarray(x, np.float32)).any()) for x in g)
+                bok = (not bnan) and max(errs) <= 2 * tol[c["dt"]]
+                res.update(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], bwd_nan=bnan)
+            except Exception as e:  # noqa: BLE001
+                bok = False
+                res["bwd_error"] = str(e)[:300]
+            res["bwd_ok"] = bok
+            ok = ok and bok
+            res["ok"] = ok
+        fails += not ok
+        results.append(res)
+        extra = (f" | dq {res.get('err_dq', float('nan')):.2e} dk {res.get('err_dk', float('nan')):.2e}"
+                 f" dv {res.get('err_dv', float('nan')):.2e}") if with_bwd else ""
+        print(f"{'ok  ' if ok else 'FAIL'} {c['name']}: out {err_o:.2e} lse {err_l:.2e}{extra}"
+              f"{' NaN' if nan else ''}{'' if inf_ok else ' -inf pattern differs'}"
+              f"{' ' + res['bwd_error'] if 'bwd_error' in res else ''}", flush=True)
+    print(f"check: {len(results) - fails}/{len(results)} passed", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# timing: median device time of a jitted call, beside jax.nn (xla / cudnn)
+# ---------------------------------------------------------------------------
+def median_time(fn, args, reps=10):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def temp_bytes(fn, args):
+    try:
+        return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+BENCH_ROWS = [  # (name, dtype, B, H, L, D, causal)
+    ("SD3 B2 H38 L4250 D64 fp32", "fp32", 2, 38, 4250, 64, False),
+    ("fp32 B1 H16 L8192 D128", "fp32", 1, 16, 8192, 128, False),
+    ("D512 bf16 B1 H16 L4096 causal", "bf16", 1, 16, 4096, 512, True),
+    ("SD3 B2 H38 L4250 D64 fp16 (cudnn reference point)", "fp16", 2, 38, 4250, 64, False),
+]
+
+
+def run_bench(rows=BENCH_ROWS, have_bwd=False):
+    out = []
+    for name, dts, B, H, L, D, causal in rows:
+        dt = DTYPES[dts]
+        key = jax.random.PRNGKey(1)
+        kq, kk, kv = jax.random.split(key, 3)
+        q, k, v = (jax.random.normal(x, (B, H, L, D), dt) for x in (kq, kk, kv))
+        flops = 4 * B * H * L * L * D / (2 if causal else 1)
+        row = dict(row=name)
+        ours = jax.jit(lambda q, k, v: flash_fwd(q, k, v, wr=0 if causal else -1)[0])
+        try:
+            t = median_time(ours, (q, k, v))
+            row["ours_fwd_ms"] = t * 1e3
+            row["ours_fwd_tflops"] = flops / t / 1e12
+            row["ours_fwd_temp_gib"] = temp_bytes(ours, (q, k, v)) / 2**30
+        except Exception as e:  # noqa: BLE001
+            row["ours_fwd_error"] = str(e)[:300]
+        if have_bwd:
+            def fb(q, k, v):
+                wr = 0 if causal else -1
+                o, lse = flash_fwd(q, k, v, wr=wr)
+                return flash_bwd(q, k, v, o, lse, o, wr=wr)  # dout = out: any dense tensor
+            fbj = jax.jit(fb)
+            try:
+                t = median_time(fbj, (q, k, v))
+                row["ours_fwdbwd_ms"] = t * 1e3
+                row["ours_fwdbwd_tflops"] = 3.5 * flops / t / 1e12
+                row["ours_fwdbwd_temp_gib"] = temp_bytes(fbj, (q, k, v)) / 2**30
+            except Exception as e:  # noqa: BLE001
+                row["ours_fwdbwd_error"] = str(e)[:300]
+        qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # jax.nn layout [B, T, N, H]
+        for impl in ("xla", "cudnn"):
+            f = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation=impl))
+            g = jax.jit(jax.grad(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation=impl).astype(jnp.float32).sum(),
+                argnums=(0, 1, 2)))
+            try:
+                t = median_time(f, (qt, kt, vt))
+                row[f"{impl}_fwd_tflops"] = flops / t / 1e12
+                row[f"{impl}_fwd_temp_gib"] = temp_bytes(f, (qt, kt, vt)) / 2**30
+                t = median_time(g, (qt, kt, vt))
+                row[f"{impl}_fwdbwd_tflops"] = 3.5 * flops / t / 1e12
+                row[f"{impl}_fwdbwd_temp_gib"] = temp_bytes(g, (qt, kt, vt)) / 2**30
+            except Exception as e:  # noqa: BLE001
+                row[f"{impl}_error"] = str(e).splitlines()[0][:200]
+        if not have_bwd:
+            row["ours_fwdbwd"] = "no flash backward yet"
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--only", choices=("check", "bench"))
+    ap.add_argument("--out", default=None, help="folder for flash_check.json")
+    ap.add_argument("--fp32-tol", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    found = register()
+    res = dict(device=str(jax.devices()[0]), jax=jax.__version__, targets=found,
+               fp32_mode="highest (3xTF32)" if HIGHEST else "tf32")
+    print(json.dumps(res), flush=True)
+    if a.only in (None, "check"):
+        res["check"] = run_check(a.seed, a.fp32_tol, with_bwd=BWD in found)
+    if a.only in (None, "bench"):
+        res["bench"] = run_bench(have_bwd=BWD in found)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        name = "flash_check_highest.json" if HIGHEST else "flash_check.json"
+        with open(os.path.join(a.out, name), "w") as f:
+            json.dump(res, f, indent=1)
+    if "check" in res and not all(r["ok"] for r in res["check"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+// f16 instantiations of the flash forward + backward kernels (see flash_attention.cuh).
+#include "cuda/flash_attention_bwd.cuh"
+
+namespace jax_sdpa {
+namespace cuda_flash {
+
+cudaError_t launch_forward_f16(const SdpaParams& p, const SdpaFwdBuffers& buf,
+                               cudaStream_t stream) {
+  return p.head_dim_v > 64 ? launch_fwd_t<__half, 0, 128>(p, buf, stream)
+                           : launch_fwd_t<__half, 0, 64>(p, buf, stream);
+}
+
+cudaError_t launch_backward_f16(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
+                                 cudaStream_t stream) {
+  return launch_bwd_t<__half, 0>(p, buf, delta, stream);
+}
+
+}  // namespace cuda_flash
+}  // namespace jax_sdpa

@@ -1,0 +1,132 @@
+// XLA FFI handlers `jax_sdpa_cuda_flash_fwd` / `_bwd`: our own CUDA flash-attention
+// prefill kernels (cuda/flash_attention*) behind the forward/backward contract of
+// docs/ffi_contract.md. DRAFT, not yet validated on a GPU and not yet routed
+// by jax_sdpa/dispatch.py (docs/cuda_flash.md).
+//
+// fp32 precision: the contract has no precision attribute yet, so
+// JAX_SDPA_CUDA_FP32=highest (read once per process) selects the split-TF32
+// ("3xTF32", ~fp32 accurate) kernels; anything else runs plain TF32.
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "cuda/ffi_registry.h"
+#include "cuda/flash_attention.h"
+#include "ffi/ffi_decode.h"
+#include "ffi/sdpa_params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_sdpa {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error flash_cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_sdpa cuda flash: ") + what + ": " +
+                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+cuda_flash::Fp32Mode fp32_mode() {
+  static const cuda_flash::Fp32Mode m = [] {
+    const char* v = std::getenv("JAX_SDPA_CUDA_FP32");
+    return (v != nullptr && std::string(v) == "highest") ? cuda_flash::Fp32Mode::kHighest
+                                                         : cuda_flash::Fp32Mode::kTf32;
+  }();
+  return m;
+}
+
+ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
+                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            double scale, int64_t window_left, int64_t window_right,
+                            bool bottom_right, bool seq_major, bool has_mask, bool has_sinks,
+                            bool has_q_lengths, bool has_kv_lengths) {
+  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  SdpaFwdBuffers buf;
+  if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
+                              &buf);
+      e.failure())
+    return e;
+  const std::string why = cuda_flash::unsupported_reason(p);
+  if (!why.empty())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda flash: " + why);
+
+  if (poison_outputs_requested()) {
+    cudaError_t e = cudaMemsetAsync(buf.out, 0xFF, out->size_bytes(), stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(buf.lse, 0xFF, lse->size_bytes(), stream);
+    if (e != cudaSuccess) return flash_cuda_error("poisoning outputs", e);
+  }
+  if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
+
+  (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
+  cudaError_t e = cuda_flash::launch_forward(p, buf, fp32_mode(), stream);
+  if (e != cudaSuccess) return flash_cuda_error("forward launch", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                            ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
+                            ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
+                            ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            double scale, int64_t window_left, int64_t window_right,
+                            bool bottom_right, bool seq_major, bool has_mask, bool has_sinks,
+                            bool has_q_lengths, bool has_kv_lengths) {
+  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+  SdpaParams p;
+  SdpaBwdBuffers buf;
+  if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
+                               kv_lengths, *dq, *dk, *dv, &p, &buf);
+      e.failure())
+    return e;
+  const std::string why = cuda_flash::unsupported_reason(p);
+  if (!why.empty())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda flash: " + why);
+
+  if (poison_outputs_requested()) {
+    cudaError_t e = cudaMemsetAsync(buf.dq, 0xFF, dq->size_bytes(), stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(buf.dk, 0xFF, dk->size_bytes(), stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(buf.dv, 0xFF, dv->size_bytes(), stream);
+    if (e != cudaSuccess) return flash_cuda_error("poisoning outputs", e);
+  }
+  if (dq->size_bytes() + dk->size_bytes() + dv->size_bytes() == 0) return ffi::Error::Success();
+
+  void* work = nullptr;
+  const size_t bytes = cuda_flash::backward_scratch_bytes(p);
+  if (bytes > 0) {
+    auto mem = scratch.Allocate(bytes, 16);
+    if (!mem.has_value())
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jax_sdpa cuda flash: could not allocate " + std::to_string(bytes) +
+                            " bytes of backward scratch");
+    work = *mem;
+  }
+  (void)cudaGetLastError();
+  cudaError_t e = cuda_flash::launch_backward(p, buf, fp32_mode(), work, stream);
+  if (e != cudaSuccess) return flash_cuda_error("backward launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_sdpa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_sdpa_cuda_flash_fwd, jax_sdpa::CudaFlashFwdImpl,
+    jax_sdpa::bind_sdpa_fwd(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+
+JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_flash_fwd", jax_sdpa_cuda_flash_fwd);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_sdpa_cuda_flash_bwd, jax_sdpa::CudaFlashBwdImpl,
+    jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()
+                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                .Ctx<xla::ffi::ScratchAllocator>()));
+
+JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_flash_bwd", jax_sdpa_cuda_flash_bwd);
