@@ -22,6 +22,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/device_helpers.cuh"
 #include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
@@ -59,53 +60,12 @@ struct Args {
 
 // ---- small device helpers ----------------------------------------------------
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = pred ? 16 : 0;  // 0: fill zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-template <typename T>
-__device__ __forceinline__ float to_f(T x);
-template <>
-__device__ __forceinline__ float to_f<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
+using cuda_common::cp_async16;
+using cuda_common::cp_async_commit;
+using cuda_common::cp_async_wait;
+using cuda_common::from_float;
+using cuda_common::pack2;
+using cuda_common::to_float;
 
 // D = A(16x16, row) * B(16x8, col) + D, f32 accumulators.
 template <typename T>
@@ -208,7 +168,7 @@ __device__ __forceinline__ void finalize_write(const Args& a, int b, int h, int 
     }
   }
   T* out = reinterpret_cast<T*>(a.out);
-  out[b * a.os[0] + h * a.os[1] + i * a.os[2] + dv] = from_f<T>(outv);
+  out[b * a.os[0] + h * a.os[1] + i * a.os[2] + dv] = from_float<T>(outv);
   if (dv == 0) a.lse[grow] = lsev;
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "cuda/flash_attention.h"
+#include "cuda/device_helpers.cuh"
 #include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
@@ -65,18 +66,12 @@ struct FwdArgs {
 
 // ---- device helpers -------------------------------------------------------------
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int n = pred ? 16 : 0;  // 0: zero-fill, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
+using cuda_common::cp_async16;
+using cuda_common::cp_async_commit;
+using cuda_common::cp_async_wait;
+using cuda_common::from_float;
+using cuda_common::pack2;
+using cuda_common::to_float;
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
@@ -84,41 +79,6 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// Two floats as a packed pair of 16-bit values (lower index in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 template <typename T>
 __device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
   const uint32_t a = *reinterpret_cast<const uint16_t*>(&lo);
@@ -299,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
         load_tile<T>(sV, v_stride_b, V + static_cast<int64_t>(kb) * a.vs[2], a.vs[2], kBN,
                      kvalid, c0v, kDVC, a.Dv);
       cp_async_commit();
-      cp_async_wait_all();
+      cp_async_wait<0>();
       __syncthreads();
       const char* qbase = sQ + (warp * 16) * q_stride_b + d0 * static_cast<int>(sizeof(T));
       for (int kk = 0; kk < dk; kk += 8) {
@@ -431,7 +391,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
       __syncwarp();
     }
   }
-  if (key_hi <= kb_begin) cp_async_wait_all();  // no key block: Q's copy is still in flight
+  if (key_hi <= kb_begin) cp_async_wait<0>();  // no key block: Q's copy is still in flight
 
   // ---- epilogue: normalize, write out (and lse from the first Dv chunk) ----
 #pragma unroll

@@ -49,7 +49,7 @@ __device__ __forceinline__ void block_abT(float (&s)[8][4], const T* A, int64_t 
     load_tile<T>(sA, st, A, a_rs, kBM, a_valid, d0, dk, D);
     load_tile<T>(sB, st, B, b_rs, kBN, b_valid, d0, dk, D);
     cp_async_commit();
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     const char* abase = sA + (warp * 16) * st;
     for (int kk = 0; kk < dk; kk += 8) {
@@ -94,7 +94,7 @@ __device__ __forceinline__ void block_pc(float (&acc)[8][4], const float (&p)[8]
   __syncthreads();
   load_tile<T>(sC, st, C, c_rs, kBN, c_valid_rows, c0, kDK, c_valid_cols);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
   if constexpr (kMode == 0) {
 #pragma unroll
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) 
         block_pc<T, kMode>(acc, dp, Q + qb * a.qs[2], a.qs[2], qv, c0, a.D, sC, sP);
     }
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
   // Write rows k0 + 16w + g (+8), columns c0 + 8n + 2t (+1).
   T* out = static_cast<T*>(is_dv ? ba.dv : ba.dk);
   const int64_t* os = is_dv ? a.vs : a.ks;
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
     }
     block_pc<T, kMode>(acc, dp, K + int64_t{kb} * a.ks[2], a.ks[2], kvalid, c0, a.D, sC, sP);
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = q0 + warp * 16 + g + 8 * r;
