@@ -9,6 +9,7 @@
 
 #include "cuda/decode_attention.h"
 #include "cuda/ffi_registry.h"
+#include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_decode.h"
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
@@ -17,11 +18,6 @@ namespace jax_sdpa {
 namespace {
 
 namespace ffi = xla::ffi;
-
-ffi::Error cuda_error(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string("jax_sdpa cuda decode: ") + what + ": " +
-                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
-}
 
 // Benchmarks may pin the split count: JAX_SDPA_CUDA_DECODE_SPLITS=n (0 = heuristic).
 int forced_splits() {
@@ -64,19 +60,15 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   if (!why.empty())
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda decode: " + why);
 
-  if (poison_outputs_requested()) {
-    cudaError_t e = cudaMemsetAsync(buf.out, 0xFF, out->size_bytes(), stream);
-    if (e == cudaSuccess) e = cudaMemsetAsync(buf.lse, 0xFF, lse->size_bytes(), stream);
-    if (e != cudaSuccess) return cuda_error("poisoning outputs", e);
-  }
+  if (auto e = poison_outputs("cuda decode", stream, {&*out, &*lse}); e.failure()) return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return cuda_error("cudaGetDevice", e);
+  if (e != cudaSuccess) return cuda_error("cuda decode", "cudaGetDevice", e);
   cuda_decode::DecodePlan plan;
   e = cuda_decode::make_plan(p, device, forced_splits(), combine_mode(), &plan);
-  if (e != cudaSuccess) return cuda_error("planning the launch", e);
+  if (e != cudaSuccess) return cuda_error("cuda decode", "planning the launch", e);
   void* work = nullptr;
   if (plan.scratch_bytes > 0) {
     // XLA's FFI allocator refuses alignments over 16 (its blocks are 256-aligned anyway).
@@ -89,7 +81,7 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   }
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
   e = cuda_decode::launch(p, buf, plan, work, stream);
-  if (e != cudaSuccess) return cuda_error("kernel launch", e);
+  if (e != cudaSuccess) return cuda_error("cuda decode", "kernel launch", e);
   return ffi::Error::Success();
 }
 

@@ -13,6 +13,7 @@
 
 #include "cuda/ffi_registry.h"
 #include "cuda/flash_attention.h"
+#include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_decode.h"
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
@@ -21,11 +22,6 @@ namespace jax_sdpa {
 namespace {
 
 namespace ffi = xla::ffi;
-
-ffi::Error flash_cuda_error(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string("jax_sdpa cuda flash: ") + what + ": " +
-                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
-}
 
 cuda_flash::Fp32Mode fp32_mode() {
   static const cuda_flash::Fp32Mode m = [] {
@@ -55,16 +51,12 @@ ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if (!why.empty())
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda flash: " + why);
 
-  if (poison_outputs_requested()) {
-    cudaError_t e = cudaMemsetAsync(buf.out, 0xFF, out->size_bytes(), stream);
-    if (e == cudaSuccess) e = cudaMemsetAsync(buf.lse, 0xFF, lse->size_bytes(), stream);
-    if (e != cudaSuccess) return flash_cuda_error("poisoning outputs", e);
-  }
+  if (auto e = poison_outputs("cuda flash", stream, {&*out, &*lse}); e.failure()) return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
   cudaError_t e = cuda_flash::launch_forward(p, buf, fp32_mode(), stream);
-  if (e != cudaSuccess) return flash_cuda_error("forward launch", e);
+  if (e != cudaSuccess) return cuda_error("cuda flash", "forward launch", e);
   return ffi::Error::Success();
 }
 
@@ -89,12 +81,7 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   if (!why.empty())
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda flash: " + why);
 
-  if (poison_outputs_requested()) {
-    cudaError_t e = cudaMemsetAsync(buf.dq, 0xFF, dq->size_bytes(), stream);
-    if (e == cudaSuccess) e = cudaMemsetAsync(buf.dk, 0xFF, dk->size_bytes(), stream);
-    if (e == cudaSuccess) e = cudaMemsetAsync(buf.dv, 0xFF, dv->size_bytes(), stream);
-    if (e != cudaSuccess) return flash_cuda_error("poisoning outputs", e);
-  }
+  if (auto e = poison_outputs("cuda flash", stream, {&*dq, &*dk, &*dv}); e.failure()) return e;
   if (dq->size_bytes() + dk->size_bytes() + dv->size_bytes() == 0) return ffi::Error::Success();
 
   void* work = nullptr;
@@ -109,7 +96,7 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   }
   (void)cudaGetLastError();
   cudaError_t e = cuda_flash::launch_backward(p, buf, fp32_mode(), work, stream);
-  if (e != cudaSuccess) return flash_cuda_error("backward launch", e);
+  if (e != cudaSuccess) return cuda_error("cuda flash", "backward launch", e);
   return ffi::Error::Success();
 }
 

@@ -6,6 +6,7 @@
 
 #include "cuda/cudnn_sdpa.h"
 #include "cuda/ffi_registry.h"
+#include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_decode.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,16 +26,6 @@ class FfiScratch final : public cudnn::Scratch {
  private:
   ffi::ScratchAllocator& alloc_;
 };
-
-// JAX_SDPA_POISON_OUTPUTS (tests): NaN-fill an output before the kernel runs, so
-// that an element nobody writes fails the comparison. 0xFF bytes are NaN in
-// f32, f16 and bf16.
-ffi::Error poison(ffi::Result<ffi::AnyBuffer>& x, cudaStream_t stream) {
-  if (!poison_outputs_requested() || x->size_bytes() == 0) return ffi::Error::Success();
-  if (cudaMemsetAsync(x->untyped_data(), 0xFF, x->size_bytes(), stream) != cudaSuccess)
-    return ffi::Error::Internal("jax_sdpa: cudaMemsetAsync (poison) failed");
-  return ffi::Error::Success();
-}
 
 ffi::Error to_ffi(const cudnn::Status& st) {
   switch (st.code) {
@@ -64,8 +55,7 @@ ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
       e.failure())
     return e;
 
-  if (auto e = poison(out, stream); e.failure()) return e;
-  if (auto e = poison(lse, stream); e.failure()) return e;
+  if (auto e = poison_outputs("cudnn", stream, {&*out, &*lse}); e.failure()) return e;
 
   FfiScratch s(scratch);
   return to_ffi(cudnn::sdpa_forward(p, b, stream, s));
@@ -88,8 +78,7 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
       e.failure())
     return e;
 
-  for (auto* r : {&dq, &dk, &dv})
-    if (auto e = poison(*r, stream); e.failure()) return e;
+  if (auto e = poison_outputs("cudnn", stream, {&*dq, &*dk, &*dv}); e.failure()) return e;
 
   FfiScratch s(scratch);
   return to_ffi(cudnn::sdpa_backward(p, b, stream, s));
