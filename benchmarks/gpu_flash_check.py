@@ -334,9 +334,11 @@ BENCH_ROWS = [  # (name, dtype, B, H, L, D, causal)
 ]
 
 
-def run_bench(rows=BENCH_ROWS, have_bwd=False):
+def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None):
     out = []
     for name, dts, B, H, L, D, causal in rows:
+        if only and not any(o in name for o in only):
+            continue
         dt = DTYPES[dts]
         key = jax.random.PRNGKey(1)
         kq, kk, kv = jax.random.split(key, 3)
@@ -365,7 +367,7 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False):
             except Exception as e:  # noqa: BLE001
                 row["ours_fwdbwd_error"] = str(e)[:300]
         qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # jax.nn layout [B, T, N, H]
-        for impl in ("xla", "cudnn"):
+        for impl in ("xla", "cudnn") if peers else ():
             f = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, implementation=impl))
             g = jax.jit(jax.grad(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
@@ -393,6 +395,8 @@ def main():
     ap.add_argument("--out", default=None, help="folder for flash_check.json")
     ap.add_argument("--fp32-tol", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-peers", action="store_true", help="time only our kernels")
+    ap.add_argument("--rows", default="", help="comma-separated substrings of bench row names")
     a = ap.parse_args()
     found = register()
     res = dict(device=str(jax.devices()[0]), jax=jax.__version__, targets=found,
@@ -401,7 +405,8 @@ def main():
     if a.only in (None, "check"):
         res["check"] = run_check(a.seed, a.fp32_tol, with_bwd=BWD in found)
     if a.only in (None, "bench"):
-        res["bench"] = run_bench(have_bwd=BWD in found)
+        res["bench"] = run_bench(have_bwd=BWD in found, peers=not a.no_peers,
+                                 only=[r for r in a.rows.split(",") if r])
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         name = "flash_check_highest.json" if HIGHEST else "flash_check.json"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
-#   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode probe
+#   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -86,6 +86,18 @@ if has decode; then
      --module --only check --out "$OUT" 2>&1 | tail -25) || rc=1
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-150}" python3 -P \
      $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
+fi
+
+if has flash; then
+  say "our CUDA flash kernels: correctness (TF32, then 3xTF32), then timing"
+  repo=$(pwd)
+  (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
+     --only check --out "$OUT" 2>&1 | tail -${FLASH_TAIL:-70}) || rc=1
+  (cd /tmp && JAX_SDPA_CUDA_FP32=highest timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/gpu_flash_check.py --only check --fp32-tol 1e-5 --out "$OUT" 2>&1 \
+     | grep -E "fp32|check:" | tail -${FLASH_TAIL:-70}) || rc=1
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${FLASH_BENCH_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/gpu_flash_check.py --only bench --out "$OUT/bench" ${FLASH_BENCH_ARGS:-} 2>&1 | tail -20) || rc=1
 fi
 
 if has probe; then

@@ -1,11 +1,19 @@
 // fp32 instantiations of the flash forward + backward kernels: TF32 and 3xTF32 (see flash_attention.cuh).
 #include "cuda/flash_attention_bwd.cuh"
+#include "cuda/flash_fwd_tc.cuh"
+
+#include <cstdlib>
 
 namespace jax_sdpa {
 namespace cuda_flash {
 
 cudaError_t launch_forward_f32(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32Mode mode,
                                cudaStream_t stream) {
+  // Head dims <= 128: the tuned tensor-core kernel (flash_fwd_tc.cuh).
+  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+    const cudaError_t e = tc::launch_forward_fast_f32(p, buf, mode, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
   const bool wide = p.head_dim_v > 64;
   if (mode == Fp32Mode::kHighest)
     return wide ? launch_fwd_t<float, 2, 128>(p, buf, stream)
