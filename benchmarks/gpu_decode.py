@@ -10,6 +10,10 @@ package's `jax_sdpa._sdpa_cuda` registrations. Sections (--only):
   bench      PEERS.md decode rows + fp32 + B64 rows: ours vs jax.nn xla / cudnn, GB/s,
              fraction of the measured device copy bandwidth
   crossover  ours vs jax.nn cudnn over batch, keys and queries per kv head
+  sweep      (not in the default set) the target rows under a few settings of the
+             per-call knobs JAX_SDPA_CUDA_DECODE_{CFG,SPLITS,COMBINE} (read by the
+             host launcher on every call, so one process times them all, < 60 s):
+             python3 -P benchmarks/gpu_decode.py --module --only sweep
 The lead's harness can import `run_check`, `run_bench`, `run_crossover`.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+_POISON_GIVEN = "JAX_SDPA_POISON_OUTPUTS" in os.environ  # --only sweep: 0 unless given
 os.environ.setdefault("JAX_SDPA_POISON_OUTPUTS", "1")
 
 import numpy as np  # noqa: E402
@@ -294,9 +299,9 @@ def run_check(seed=0, verbose=True, quick=False):
 # ---------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------
-def _time_loop(fn, args, K, reps=5):
-    """fn(q, *rest) -> out; K dependent calls (a tiny function of out is fed back into q)
-    unrolled in one jit; returns median seconds per call."""
+def _loop_fn(fn, K):
+    """jit of K dependent calls of fn(q, *rest) -> out (a tiny function of out is fed
+    back into q), unrolled."""
 
     def run(q, *rest):  # k, v are arguments, never captured constants
         def body(_, q):
@@ -305,7 +310,22 @@ def _time_loop(fn, args, K, reps=5):
 
         return jax.lax.fori_loop(0, K, body, q, unroll=True)
 
-    f = jax.jit(run)
+    return jax.jit(run)
+
+
+def _time_compiled(f, args, K, reps=5):
+    jax.block_until_ready(f(*args))  # warm-up (and, the first time, compile)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / K
+
+
+def _time_loop(fn, args, K, reps=5):
+    """K dependent calls of fn unrolled in one jit; returns median seconds per call."""
+    f = _loop_fn(fn, K)
     jax.block_until_ready(f(*args))
     ts = []
     for _ in range(reps):
@@ -421,6 +441,86 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
     return out
 
 
+# Target rows x knob settings. CFG = tensor-core warps,stages (built for D128 and
+# D512 only, cuda/decode_attention_kernels.h); SPLITS pins the split count;
+# COMBINE picks the split-K merge. {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D).
+SWEEP = [
+    (("B8 H32/KV8 Lk8192 D128", "bf16", 8, 32, 8, 8192, 128),
+     [{}, {"CFG": "2,4"}, {"CFG": "3,3"}, {"CFG": "2,5"}, {"CFG": "4,3"}, {"CFG": "4,4"},
+      {"CFG": "8,2"}, {"SPLITS": "8"}, {"SPLITS": "2"}, {"CFG": "2,4", "SPLITS": "8"}]),
+    (("B1 H32/KV8 Lk32768 D128", "bf16", 1, 32, 8, 32768, 128),
+     [{}, {"CFG": "2,4"}, {"CFG": "3,3"}, {"CFG": "4,4"}, {"CFG": "8,2"}, {"SPLITS": "66"},
+      {"SPLITS": "16"}, {"COMBINE": "kernel"}, {"CFG": "2,4", "SPLITS": "66"}]),
+    (("B1 H32/KV4 Lk8192 D512", "bf16", 1, 32, 4, 8192, 512),
+     [{}, {"CFG": "4,1"}, {"CFG": "2,2"}, {"CFG": "2,3"}, {"COMBINE": "fused"},
+      {"CFG": "4,1", "COMBINE": "fused"}, {"SPLITS": "64"}, {"SPLITS": "16"},
+      {"CFG": "2,3", "SPLITS": "64"}]),
+    (("B1 H32/KV4 Lk1024 D512 fp16", "fp16", 1, 32, 4, 1024, 512),
+     [{}, {"CFG": "4,1"}, {"CFG": "2,2"}, {"SPLITS": "4"}, {"SPLITS": "16"},
+      {"COMBINE": "fused"}]),
+    (("B64 H32/KV8 Lk2048 D128", "bf16", 64, 32, 8, 2048, 128),
+     [{}, {"CFG": "2,4"}, {"CFG": "3,3"}, {"CFG": "4,4"}]),
+]
+KNOB = "JAX_SDPA_CUDA_DECODE_"
+
+
+def run_sweep(copy_bw, budget_s=55.0):
+    """Times `ours` on the target rows under each knob setting in SWEEP (the knobs
+    are read per call by the host launcher). Prints one line per setting and the
+    best per row; stops adding settings once budget_s is spent."""
+    os.environ[KNOB + "VERBOSE"] = "1"  # the launcher prints each new plan (W, S, splits)
+    out = []
+    t_start = time.time()
+    for (name, dt, B, Hq, Hk, Lk, D), settings in SWEEP:
+        q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D)
+        esz = jnp.dtype(DTYPES[dt]).itemsize
+        nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
+        K = int(min(32, max(8, 2e-3 / (nbytes / 3.0e12 + 8e-6))))
+        rows = []
+        # One executable per row: the launcher reads the knobs on every call.
+        f = _loop_fn(lambda q_, k_, v_: ours(q_, k_, v_)[0], K)
+        one = jax.jit(lambda q_, k_, v_: ours(q_, k_, v_))
+        ref = None  # the first (default) setting's out + lse: every variant must agree
+        for st in settings:
+            if time.time() - t_start > budget_s:
+                print(f"sweep: budget {budget_s:.0f}s spent, skipping the rest", flush=True)
+                break
+            for kn in ("CFG", "SPLITS", "COMBINE"):
+                os.environ.pop(KNOB + kn, None)
+            for kn, val in st.items():
+                os.environ[KNOB + kn] = val
+            label = ",".join(f"{kn}={val}" for kn, val in st.items()) or "default"
+            try:
+                o, l = (np.asarray(x.astype(jnp.float32), np.float64) for x in one(q, k, v))
+                if ref is None:
+                    ref = (o, l)
+                rel = float(np.linalg.norm(o - ref[0]) / max(np.linalg.norm(ref[0]), 1e-30))
+                lse_d = float(np.max(np.abs(l - ref[1])))
+                agree = bool(np.isfinite(o).all() and rel <= 1e-2 and lse_d <= 1e-3)
+                t = _time_compiled(f, (q, k, v), K, reps=5)
+                rec = dict(setting=label, us=t * 1e6, GBps=nbytes / t / 1e9,
+                           frac_copy=nbytes / t / copy_bw, agrees_with_default=agree,
+                           rel_vs_default=rel, lse_vs_default=lse_d)
+                print(f"sweep {name:<30} {label:<22} {rec['GBps']:6.0f} GB/s {rec['us']:7.1f} us "
+                      f"({rec['frac_copy']:.2f}) {'agrees' if agree else 'DIFFERS'} "
+                      f"rel {rel:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                rec = dict(setting=label, error=str(e).splitlines()[0][:160] if str(e) else "?")
+                print(f"sweep {name:<30} {label:<22} ERR {rec['error'][:80]}", flush=True)
+            rows.append(rec)
+        for kn in ("CFG", "SPLITS", "COMBINE"):
+            os.environ.pop(KNOB + kn, None)
+        ok = [r for r in rows if "GBps" in r and r["agrees_with_default"]]
+        if ok:
+            best = max(ok, key=lambda r: r["GBps"])
+            print(f"sweep best {name:<25} {best['setting']:<22} {best['GBps']:.0f} GB/s "
+                  f"(default {ok[0]['GBps']:.0f})", flush=True)
+        out.append(dict(case=name, dtype=dt, B=B, Hq=Hq, Hk=Hk, Lk=Lk, D=D, bytes=nbytes, K=K,
+                        results=rows))
+    os.environ.pop(KNOB + "VERBOSE", None)
+    return out
+
+
 def run_crossover():
     pts = []
     grid = [(B, Lk, 1) for B in (1, 8, 32, 128) for Lk in (512, 4096)]
@@ -466,6 +566,10 @@ def env_info():
     return info
 
 
+def only_arg(args):
+    return args.only.split(",")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build/decode/libjax_sdpa_cuda_decode.so")
@@ -476,6 +580,8 @@ def main():
     ap.add_argument("--rows", default="", help="bench row indices, e.g. 0,2")
     ap.add_argument("--tag", default="", help="added to the JSON file name")
     args = ap.parse_args()
+    if "sweep" in only_arg(args) and not _POISON_GIVEN:
+        os.environ["JAX_SDPA_POISON_OUTPUTS"] = "0"  # before the first call reads it
     src = register(args.lib, args.module)
     info = env_info()
     info["ffi_source"] = src
@@ -495,7 +601,7 @@ def main():
         result["check"] = run_check(quick=args.quick)
         save()
         print(f"[check took {time.time() - t0:.0f}s]", flush=True)
-    if "bench" in only or "crossover" in only:
+    if "bench" in only or "crossover" in only or "sweep" in only:
         bw = copy_bandwidth()
         result["copy_bandwidth_GBps"] = bw / 1e9
         print(f"device copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
@@ -506,6 +612,10 @@ def main():
         result["bench"] = run_bench(result["copy_bandwidth_GBps"] * 1e9, rows)
         save()
         print(f"[bench done at {time.time() - t0:.0f}s]", flush=True)
+    if "sweep" in only:
+        result["sweep"] = run_sweep(result["copy_bandwidth_GBps"] * 1e9)
+        save()
+        print(f"[sweep done at {time.time() - t0:.0f}s]", flush=True)
     if "crossover" in only:
         result["crossover"] = run_crossover()
         save()

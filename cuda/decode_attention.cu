@@ -2,6 +2,9 @@
 // configuration per shape, the split-K heuristic and the launches.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -22,13 +25,21 @@ bool dims_built(int64_t d, int64_t dv) {
   return false;
 }
 
-KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block) {
+KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block, int warps,
+                         int stages) {
   switch (dtype) {
     case DType::kF32: return select_f32(d, dv);
-    case DType::kF16: return select_f16(d, dv, rows_per_block == 16);
-    case DType::kBF16: return select_bf16(d, dv, rows_per_block == 16);
+    case DType::kF16: return select_f16(d, dv, rows_per_block == 16, warps, stages);
+    case DType::kBF16: return select_bf16(d, dv, rows_per_block == 16, warps, stages);
   }
   return KernelInfo{};
+}
+
+// Per-call environment overrides (benchmarks: one process times several settings).
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  return std::atoi(v);
 }
 
 // Device facts, read once per device.
@@ -93,8 +104,11 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
 // Split count: fill the GPU with one wave of equal blocks. Efficiency of n
 // splits = useful fraction of the block slots over the waves it takes; take
 // more splits only for a clear gain (each adds partial traffic + a combine).
-int choose_splits(int64_t units, int64_t len_kv, int slots) {
-  const int64_t max_split = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, len_kv / 128));
+// min_keys: least keys per split (enough bytes per block to amortize its start
+// and its partial, and >= 2 tiles per warp).
+int choose_splits(int64_t units, int64_t len_kv, int slots, int64_t min_keys) {
+  const int64_t max_split =
+      std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, len_kv / std::max<int64_t>(1, min_keys)));
   auto eff = [&](int64_t n) {
     const double waves = static_cast<double>(units * n) / slots;
     return waves / std::ceil(waves);
@@ -110,6 +124,16 @@ int choose_splits(int64_t units, int64_t len_kv, int slots) {
     }
   }
   return static_cast<int>(best);
+}
+
+// The device cuts a unit's key range into chunks of ceil(len / n) rounded up to
+// 16 keys, so n splits may leave the last ones empty (33 splits of 8192 keys:
+// 32 chunks of 256): drop those (the blocks would only write empty partials).
+int snap_splits(int n, int64_t len_kv) {
+  if (n <= 1 || len_kv <= 0) return std::max(1, n);
+  int64_t chunk = (len_kv + n - 1) / n;
+  chunk = (chunk + 15) / 16 * 16;
+  return static_cast<int>(std::max<int64_t>(1, (len_kv + chunk - 1) / chunk));
 }
 
 }  // namespace
@@ -139,12 +163,33 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   DeviceFacts f;
   cudaError_t e = device_facts(device, &f);
   if (e != cudaSuccess) return e;
+  // Per-call overrides (docs/cuda_decode.md); the arguments come from the handler.
+  force_splits = env_int("JAX_SDPA_CUDA_DECODE_SPLITS", force_splits);
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_COMBINE")) {
+    if (std::strcmp(v, "kernel") == 0) combine_mode = 1;
+    else if (std::strcmp(v, "fused") == 0) combine_mode = 2;
+    else if (std::strcmp(v, "auto") == 0) combine_mode = 0;
+  }
+  int want_w = 0, want_s = 0;
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
+    if (std::sscanf(v, "%d,%d", &want_w, &want_s) != 2) want_w = want_s = 0;
+  }
+  const int64_t min_split_bytes =
+      static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", 64))) * 1024;
+
   const int64_t R = p.group() * p.len_q;
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
-  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb);
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want_w, want_s);
   if (k.func == nullptr) return cudaErrorInvalidValue;
+  // D512's default W3 S2 needs 217 KB of smem (H100/H200: 227 KB a block); an A100
+  // (163 KB) gets the 150 KB variants.
+  for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
+    if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
+    KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second);
+    if (alt.func != nullptr && alt.smem < k.smem) k = alt;
+  }
   if (k.smem > f.max_smem_optin) return cudaErrorInvalidConfiguration;
   int occ = 1;
   e = occupancy(k, device, &occ);
@@ -154,13 +199,31 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   plan->blocks_per_sm = occ;
   plan->num_sms = f.sms;
   plan->tensor_cores = k.tensor_cores;
+  plan->warps = k.warps;
+  plan->stages = k.stages;
   const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
-  int n = force_splits > 0 ? force_splits : choose_splits(units, p.len_kv, f.sms * occ);
+  const int esz = p.dtype == DType::kF32 ? 4 : 2;
+  const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
+  int64_t min_keys = std::max<int64_t>(2 * 16 * k.warps, (min_split_bytes + key_bytes - 1) / key_bytes);
+  min_keys = (min_keys + 15) / 16 * 16;
+  int n = force_splits > 0 ? force_splits
+                           : snap_splits(choose_splits(units, p.len_kv, f.sms * occ, min_keys),
+                                         p.len_kv);
   // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
   const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);
   n = std::max(1, std::min({n, kMaxSplits, smem_cap}));
   plan->num_splits = n;
-  plan->fused_combine = n > 1 && combine_mode != 1 && units <= kMaxCounters;
+  // Auto combine: the last split block of a unit merges n partials of its valid
+  // rows with one float4 per thread and split; past ~48 loads per thread (D512
+  // at small batch: 33 splits x 8 rows x 128 float4 / 96 threads = 363) that
+  // tail is longer than a separate, grid-wide combine launch.
+  const int64_t valid_rows = std::min<int64_t>(R, rb);
+  const int64_t per_thread = (valid_rows * (p.head_dim_v / 4) + k.threads - 1) / k.threads;
+  const bool fused_ok = n > 1 && units <= kMaxCounters;
+  bool fused = false;
+  if (combine_mode == 2) fused = fused_ok;
+  else if (combine_mode == 0) fused = fused_ok && n * per_thread <= 48;
+  plan->fused_combine = fused;
   plan->counters = plan->fused_combine ? f.counters : nullptr;
   plan->scratch_bytes = 0;
   if (n > 1) {
@@ -169,6 +232,26 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
     const size_t l_bytes = static_cast<size_t>(n) * rows * sizeof(float);
     plan->scratch_bytes = (o_bytes + 255) / 256 * 256 + (l_bytes + 255) / 256 * 256;
   }
+  if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
+    char line[320];
+    std::snprintf(line, sizeof(line),
+                  "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
+                  "dtype%d -> W%d S%d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "combine %s\n",
+                  static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
+                  static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
+                  static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
+                  static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype), k.warps,
+                  k.stages, rb, plan->row_chunks, n, occ, k.smem,
+                  n == 1 ? "none" : (fused ? "fused" : "kernel"));
+    static std::mutex mu;
+    static std::string last;
+    std::lock_guard<std::mutex> lock(mu);
+    if (last != line) {
+      last = line;
+      std::fputs(line, stderr);
+    }
+  }
   return cudaSuccess;
 }
 
@@ -176,8 +259,10 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
                    void* scratch, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (rows == 0) return cudaSuccess;
-  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block);
-  if (k.func == nullptr) return cudaErrorInvalidValue;
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
+                               plan.warps, plan.stages);
+  if (k.func == nullptr || (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))
+    return cudaErrorInvalidValue;
 
   Args a{};
   a.q = buf.q;
@@ -229,7 +314,8 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (plan.num_splits > 1 && !plan.fused_combine) {
-    k.combine(a, dim3(static_cast<unsigned>(rows)), stream);
+    const int64_t items = rows * (p.head_dim_v / 4);  // one thread per 4 dv of a row
+    k.combine(a, dim3(static_cast<unsigned>((items + 127) / 128)), stream);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

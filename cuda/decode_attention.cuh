@@ -838,31 +838,49 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
 }
 
 // ---- split-K combine ---------------------------------------------------------------
-// One block per output row (b, h, i): merges the splits' normalized partials by
-// their lse, folds in the sink and writes out + lse.
+// Separate combine (launched after the main kernel when the fused merge would be
+// long for one block: many splits x wide rows, e.g. D512 at small batch). One
+// thread per (output row, 4 dv): it reads the nsplit lse values of its row (all
+// loads independent, L1-shared by the row's threads) and the nsplit float4
+// partials with 8 in flight, so the whole grid streams the partials in a few
+// L2 round trips instead of one block looping over all of them.
 template <typename T, int DV>
-__global__ void __launch_bounds__(128) combine_kernel(const Args a) {
-  const int grow = blockIdx.x;  // rows < 2^31 (checked on the host): 32-bit division
-  const int i = grow % a.Lq;
-  const int h = (grow / a.Lq) % a.Hq;
-  const int b = grow / (a.Lq * a.Hq);
+__global__ void __launch_bounds__(128, 8) combine_kernel(const Args a) {
+  constexpr int DV4 = DV / 4;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= a.rows * DV4) return;
+  const int grow32 = static_cast<int>(item / DV4);  // rows < 2^31 (checked on the host)
+  const int c = static_cast<int>(item - static_cast<int64_t>(grow32) * DV4);
+  const int64_t grow = grow32;
+  const int i = grow32 % a.Lq;
+  const int h = (grow32 / a.Lq) % a.Hq;
+  const int b = grow32 / (a.Lq * a.Hq);
   const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
+  const float* lse = a.part_lse + grow;
   float M = -INFINITY;
-  for (int s = 0; s < a.nsplit; ++s) M = fmaxf(M, a.part_lse[s * a.rows + grow]);
-  for (int dv = threadIdx.x; dv < DV; dv += blockDim.x) {
-    float L = 0.f, o = 0.f;
-    if (M != -INFINITY) {
-      for (int s = 0; s < a.nsplit; ++s) {
-        const int64_t pr = s * a.rows + grow;
-        const float ls = a.part_lse[pr];
-        if (ls == -INFINITY) continue;
-        const float f = exp2f(ls - M);
-        L += f;
-        o += f * a.part_o[pr * DV + dv];
-      }
+#pragma unroll 8
+  for (int sp = 0; sp < a.nsplit; ++sp) M = fmaxf(M, lse[sp * a.rows]);
+  float L = 0.f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (M != -INFINITY) {
+    const float* src = a.part_o + grow * DV + 4 * c;
+    const int64_t sstride = a.rows * DV;
+#pragma unroll 8
+    for (int sp = 0; sp < a.nsplit; ++sp) {
+      const float ls = lse[sp * a.rows];
+      const float4 x = *reinterpret_cast<const float4*>(src + sp * sstride);
+      const float wgt = ls == -INFINITY ? 0.f : exp2f(ls - M);
+      L += wgt;
+      o.x = fmaf(wgt, x.x, o.x);
+      o.y = fmaf(wgt, x.y, o.y);
+      o.z = fmaf(wgt, x.z, o.z);
+      o.w = fmaf(wgt, x.w, o.w);
     }
-    finalize_write<T>(a, b, h, i, qlen, M, L, o, dv, grow);
   }
+  finalize_write<T>(a, b, h, i, qlen, M, L, o.x, 4 * c + 0, grow);
+  finalize_write<T>(a, b, h, i, qlen, M, L, o.y, 4 * c + 1, grow);
+  finalize_write<T>(a, b, h, i, qlen, M, L, o.z, 4 * c + 2, grow);
+  finalize_write<T>(a, b, h, i, qlen, M, L, o.w, 4 * c + 3, grow);
 }
 
 }  // namespace cuda_decode

@@ -29,6 +29,7 @@ struct DecodePlan {
   int blocks_per_sm = 1;    // occupancy of the main kernel
   int num_sms = 1;
   bool tensor_cores = false;
+  int warps = 0, stages = 0;   // the main kernel's W x S (tensor cores: variant chosen)
   bool fused_combine = false;  // last split block merges (no combine launch)
   int* counters = nullptr;     // the device's split counters when fused
   size_t scratch_bytes = 0; // split-K partials (0 when num_splits == 1)
@@ -38,9 +39,16 @@ struct DecodePlan {
 std::string unsupported_reason(const SdpaParams& p);
 
 // Chooses splits / rows per block for the current device. `force_splits` > 0
-// overrides the heuristic (benchmarks, tests); `combine_mode` 0: default,
+// overrides the heuristic (benchmarks, tests); `combine_mode` 0: default (auto:
+// fused when the last block's merge is short, else a separate combine kernel),
 // 1: always a separate combine kernel, 2: fused where possible. Returns a CUDA
-// error on failure.
+// error on failure. Per-call environment overrides (read on every call, so one
+// process can time several settings; docs/cuda_decode.md):
+//   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the argument / heuristic)
+//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel
+//   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
+//   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
+//   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int combine_mode,
                       DecodePlan* plan);
 

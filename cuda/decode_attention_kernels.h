@@ -32,25 +32,26 @@ struct KernelInfo {
   int threads = 0;
   size_t smem = 0;
   bool tensor_cores = false;
+  int warps = 0, stages = 0;  // W, S of the kernel (for the split heuristic and reports)
 };
 
 // Null func when (d, dv) is not built. rows16: 16 query rows per block.
+// warps / stages: a tensor-core variant (W, S) to use when it is built for these
+// head dims (tc_select below), 0 / unbuilt -> the default for the dims.
 KernelInfo select_f32(int64_t d, int64_t dv);
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16);
-KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16);
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, int warps, int stages);
+KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages);
 
+// Separate split-K combine: one thread per (output row, 4 dv); 128 threads a block.
 template <typename T, int DV>
 void launch_combine(const Args& a, dim3 grid, cudaStream_t st) {
   combine_kernel<T, DV><<<grid, 128, 0, st>>>(a);
 }
 
-// Warps per block and ring depth: enough bytes in flight per SM (a few tens of
-// KB) from several blocks, each stage one 16-key tile of K and V per warp.
-template <typename T, int D, int DV, int NT>
+template <typename T, int D, int DV, int NT, int W, int S>
 KernelInfo tc_info() {
-  constexpr int W = 4;
-  constexpr int S = (D + DV <= 256) ? 2 : 1;
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
+  static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_tc_kernel: too much shared memory");
   KernelInfo k;
   k.func = reinterpret_cast<const void*>(&decode_tc_kernel<T, D, DV, NT, W, S>);
   k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
@@ -60,7 +61,44 @@ KernelInfo tc_info() {
   k.threads = Cfg::kThreads;
   k.smem = Cfg::kSmem;
   k.tensor_cores = true;
+  k.warps = W;
+  k.stages = S;
   return k;
+}
+
+// Warps per block (W) and per-warp ring depth (S), each stage one 16-key tile of
+// K and V per warp: bytes in flight per SM = blocks/SM x W x (S - 1..S) tiles.
+//   D + Dv <= 256 (D128 bf16: 9.3 KB a stage): W4 S2, 81 KB -> 2 blocks/SM.
+//   D + Dv <= 512 (D256: 17.7 KB a stage): W4 S1, 80 KB -> 2 blocks/SM.
+//   D512 (34 KB a stage): W3 S2, 217 KB -> 1 block/SM; its S1 (W4) predecessor
+//   had no copy in flight while a warp computed.
+// Variants (JAX_SDPA_CUDA_DECODE_CFG=W,S, for the sweep in benchmarks/gpu_decode.py)
+// are built for D = Dv = 128 and 512 only (compile time); elsewhere the default.
+template <int D, int DV>
+struct TcDefault {
+  static constexpr int W = (D + DV <= 512) ? 4 : 3;
+  static constexpr int S = (D + DV <= 256) ? 2 : ((D + DV <= 512) ? 1 : 2);
+};
+
+template <typename T, int D, int DV, int NT>
+KernelInfo tc_select(int w, int s) {
+  if constexpr (D == 128 && DV == 128) {
+    // smem (KB) / blocks per SM: W2S4 81/2, W3S3 90/2, W2S5 100/2, W4S3 119/1, W4S4 157/1,
+    // W8S2 157/1.
+    if (w == 2 && s == 4) return tc_info<T, D, DV, NT, 2, 4>();
+    if (w == 3 && s == 3) return tc_info<T, D, DV, NT, 3, 3>();
+    if (w == 2 && s == 5) return tc_info<T, D, DV, NT, 2, 5>();
+    if (w == 4 && s == 3) return tc_info<T, D, DV, NT, 4, 3>();
+    if (w == 4 && s == 4) return tc_info<T, D, DV, NT, 4, 4>();
+    if (w == 8 && s == 2) return tc_info<T, D, DV, NT, 8, 2>();
+  }
+  if constexpr (D == 512 && DV == 512) {
+    // smem (KB) / blocks per SM: W4S1 150/1 (the old default), W2S2 150/1, W2S3 217/1.
+    if (w == 4 && s == 1) return tc_info<T, D, DV, NT, 4, 1>();
+    if (w == 2 && s == 2) return tc_info<T, D, DV, NT, 2, 2>();
+    if (w == 2 && s == 3) return tc_info<T, D, DV, NT, 2, 3>();
+  }
+  return tc_info<T, D, DV, NT, TcDefault<D, DV>::W, TcDefault<D, DV>::S>();
 }
 
 template <int D, int DV>
@@ -77,6 +115,8 @@ KernelInfo simt_info() {
   k.threads = Cfg::kThreads;
   k.smem = Cfg::kSmem;
   k.tensor_cores = false;
+  k.warps = W;
+  k.stages = S;
   return k;
 }
 
