@@ -1,0 +1,96 @@
+// Fast float32 flash-attention backward: instantiations + launcher (see flash_bwd_tc.cuh).
+// UNTESTED ON A GPU when written (compile-checked only).
+#include "cuda/flash_bwd_tc.h"
+
+#include <cstdint>
+
+#include "cuda/flash_bwd_tc.cuh"
+
+namespace jax_sdpa {
+namespace cuda_flash {
+namespace bwd_tc {
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <int kMode, int kD, int kBr>
+cudaError_t launch_t(const Args& a, int hk, cudaStream_t stream) {
+  using C = Cfg<kD, kBr>;
+  auto kernel = flash_bwd_tc_kernel<kMode, kD, kBr>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(C::kBytes));
+  if (e != cudaSuccess) return e;
+  const int key_tiles = (a.f.Lk + kBc - 1) / kBc;
+  kernel<<<dim3(key_tiles, hk, a.f.B), kThreads, C::kBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace bwd_tc
+
+cudaError_t launch_backward_f32_fast(const SdpaParams& p, const SdpaBwdBuffers& buf,
+                                     Fp32Mode mode, float* delta, cudaStream_t stream) {
+  using namespace bwd_tc;
+  // ---- can we serve it? (nothing is enqueued before these checks pass) ----
+  if (p.dtype != DType::kF32) return cudaErrorNotSupported;
+  if (p.head_dim < 8 || p.head_dim_v < 8 || p.head_dim > 128 || p.head_dim_v > 128 ||
+      p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0)
+    return cudaErrorNotSupported;
+  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorNotSupported;
+  if (p.batch > 65535 || p.heads_kv > 65535 || p.len_q >= (int64_t{1} << 30) ||
+      p.len_kv >= (int64_t{1} << 30))
+    return cudaErrorNotSupported;
+  // float4 / float2 / 16-byte cp.async accesses: row strides multiples of 4 elements,
+  // 16-byte aligned buffers.
+  for (int i = 0; i < 3; ++i)
+    if (p.q_stride[i] % 4 || p.k_stride[i] % 4 || p.v_stride[i] % 4 || p.o_stride[i] % 4)
+      return cudaErrorNotSupported;
+  if (!aligned16(buf.q) || !aligned16(buf.k) || !aligned16(buf.v) || !aligned16(buf.out) ||
+      !aligned16(buf.dout) || !aligned16(buf.dq) || !aligned16(buf.dk) || !aligned16(buf.dv))
+    return cudaErrorNotSupported;
+  const bool narrow = p.head_dim <= 64 && p.head_dim_v <= 64;
+  const size_t smem = narrow ? Cfg<64, 64>::kBytes : Cfg<128, 32>::kBytes;
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    cudaGetLastError();  // leave no error behind for the fallback
+    return cudaErrorNotSupported;
+  }
+  if (static_cast<size_t>(optin) < smem) return cudaErrorNotSupported;  // e.g. A100 (D <= 64)
+
+  // ---- launch ----
+  if (p.batch == 0 || p.heads_q == 0) return cudaSuccess;
+  SdpaFwdBuffers fb;
+  fb.q = buf.q;
+  fb.k = buf.k;
+  fb.v = buf.v;
+  Args a;
+  a.f = make_fwd_args(p, fb, 64);
+  a.out = static_cast<const float*>(buf.out);
+  a.dout = static_cast<const float*>(buf.dout);
+  a.lse = buf.lse;
+  a.delta = delta;
+  a.dq = static_cast<float*>(buf.dq);
+  a.dk = static_cast<float*>(buf.dk);
+  a.dv = static_cast<float*>(buf.dv);
+  a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  if (rows > 0) {
+    // dq is exactly q's shape, dense (either layout): zero it, the kernel adds into it.
+    cudaError_t e = cudaMemsetAsync(buf.dq, 0, static_cast<size_t>(rows * p.head_dim) * 4, stream);
+    if (e != cudaSuccess) return e;
+    delta_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(a, delta, rows);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if (p.len_kv == 0) return cudaSuccess;  // dk, dv are empty
+  const int hk = static_cast<int>(p.heads_kv);
+  if (mode == Fp32Mode::kHighest)
+    return narrow ? launch_t<2, 64, 64>(a, hk, stream) : launch_t<2, 128, 32>(a, hk, stream);
+  return narrow ? launch_t<1, 64, 64>(a, hk, stream) : launch_t<1, 128, 32>(a, hk, stream);
+}
+
+}  // namespace cuda_flash
+}  // namespace jax_sdpa
