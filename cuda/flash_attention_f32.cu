@@ -1,5 +1,6 @@
 // fp32 instantiations of the flash forward + backward kernels: TF32 and 3xTF32 (see flash_attention.cuh).
 #include "cuda/flash_attention_bwd.cuh"
+#include "cuda/flash_bwd_tc.h"
 #include "cuda/flash_fwd_tc.cuh"
 
 #include <cstdlib>
@@ -24,6 +25,11 @@ cudaError_t launch_forward_f32(const SdpaParams& p, const SdpaFwdBuffers& buf, F
 
 cudaError_t launch_backward_f32(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32Mode mode,
                                 float* delta, cudaStream_t stream) {
+  // Head dims <= 128: the tuned tensor-core backward (flash_bwd_tc.cuh).
+  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+    const cudaError_t e = launch_backward_f32_fast(p, buf, mode, delta, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
   return mode == Fp32Mode::kHighest ? launch_bwd_t<float, 2>(p, buf, delta, stream)
                                     : launch_bwd_t<float, 1>(p, buf, delta, stream);
 }

@@ -26,8 +26,7 @@ namespace jax_sdpa {
 namespace cuda_flash {
 namespace tc {
 
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kBM = 128;       // query rows per block (32 per warp)
+// A block has kWarps warps of 32 query rows each (kBM = 32 * kWarps rows).
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -47,8 +46,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // rows x kCols floats from global (row stride gstride) into shared (row stride
 // kCols + 4); rows >= valid_rows and columns >= valid_cols are zero. Thread x
-// copies 16-byte chunks x, x + 128, ...: round_own_chunks walks the same chunks.
-template <int kRows, int kCols>
+// copies 16-byte chunks x, x + kThreads, ...: round_own_chunks walks the same chunks.
+template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_rows(float* s, const float* g, int64_t gstride,
                                           int valid_rows, int valid_cols) {
   constexpr int kVec = kCols / 4;
@@ -63,7 +62,7 @@ __device__ __forceinline__ void load_rows(float* s, const float* g, int64_t gstr
 }
 
 // Rounds this thread's own landed chunks to tf32 (visible to it after cp.async.wait).
-template <int kRows, int kCols>
+template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void round_own_chunks(float* s) {
   constexpr int kVec = kCols / 4;
   constexpr int kStride = kCols + 4;
@@ -102,14 +101,19 @@ __device__ __forceinline__ void mma_tc(float (&d)[4], const uint32_t (&a)[4], co
   }
 }
 
-template <int kD, int kBN>
+template <int kD, int kBN, int kWarps>
 constexpr size_t smem_bytes() {
+  constexpr int kBM = 32 * kWarps;
   return sizeof(float) * (static_cast<size_t>(kBM) * (kD + 4) + 4ull * kBN * (kD + 4));
 }
 
-// kD: head dim D and Dv padded up (zero columns); kBN: keys per tile.
-template <int kMode, int kD, int kBN>
-__global__ void __launch_bounds__(kThreads, kD <= 64 ? 2 : 1) flash_fwd_tc_kernel(const FwdArgs a) {
+// kD: head dim D and Dv padded up (zero columns); kBN: keys per tile; kWarps: warps
+// per block (32 query rows each).
+template <int kMode, int kD, int kBN, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? 2 : 1)
+    flash_fwd_tc_kernel(const FwdArgs a) {
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kBM = 32 * kWarps;
   constexpr int kStride = kD + 4;  // floats per shared row
   constexpr int kNT = kBN / 8;     // 8-key tiles of S
   constexpr int kOT = kD / 8;      // 8-column tiles of O
@@ -146,13 +150,13 @@ __global__ void __launch_bounds__(kThreads, kD <= 64 ? 2 : 1) flash_fwd_tc_kerne
   const int kb_begin = (key_lo / kBN) * kBN;
   const int n_tiles = key_hi > kb_begin ? (key_hi - kb_begin + kBN - 1) / kBN : 0;
 
-  load_rows<kBM, kD>(sQ, Q + static_cast<int64_t>(q0) * a.qs[2], a.qs[2], a.Lq - q0, a.D);
+  load_rows<kBM, kD, kThreads>(sQ, Q + static_cast<int64_t>(q0) * a.qs[2], a.qs[2], a.Lq - q0, a.D);
   cp_async_commit();
   auto load_kv = [&](int tile, int stage) {
     const int kb = kb_begin + tile * kBN;
-    load_rows<kBN, kD>(sK + stage * kBN * kStride, K + static_cast<int64_t>(kb) * a.ks[2], a.ks[2],
+    load_rows<kBN, kD, kThreads>(sK + stage * kBN * kStride, K + static_cast<int64_t>(kb) * a.ks[2], a.ks[2],
                        kvlen - kb, a.D);
-    load_rows<kBN, kD>(sV + stage * kBN * kStride, V + static_cast<int64_t>(kb) * a.vs[2], a.vs[2],
+    load_rows<kBN, kD, kThreads>(sV + stage * kBN * kStride, V + static_cast<int64_t>(kb) * a.vs[2], a.vs[2],
                        kvlen - kb, a.Dv);
   };
   if (n_tiles > 0) load_kv(0, 0);
@@ -192,9 +196,9 @@ __global__ void __launch_bounds__(kThreads, kD <= 64 ? 2 : 1) flash_fwd_tc_kerne
     cp_async_commit();
     cp_async_wait<1>();  // Q and this tile have landed (for this thread)
     if constexpr (kMode == 1) {
-      if (tile == 0) round_own_chunks<kBM, kD>(sQ);
-      round_own_chunks<kBN, kD>(sK + stage * kBN * kStride);
-      round_own_chunks<kBN, kD>(sV + stage * kBN * kStride);
+      if (tile == 0) round_own_chunks<kBM, kD, kThreads>(sQ);
+      round_own_chunks<kBN, kD, kThreads>(sK + stage * kBN * kStride);
+      round_own_chunks<kBN, kD, kThreads>(sV + stage * kBN * kStride);
     }
     __syncthreads();
     const float* sKs = sK + stage * kBN * kStride;
@@ -370,16 +374,17 @@ __global__ void __launch_bounds__(kThreads, kD <= 64 ? 2 : 1) flash_fwd_tc_kerne
   }
 }
 
-template <int kMode, int kD, int kBN>
+template <int kMode, int kD, int kBN, int kWarps>
 cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream) {
+  constexpr int kBM = 32 * kWarps;
   const FwdArgs a = make_fwd_args(p, buf, kD);
-  constexpr size_t smem = smem_bytes<kD, kBN>();
-  auto kernel = flash_fwd_tc_kernel<kMode, kD, kBN>;
+  constexpr size_t smem = smem_bytes<kD, kBN, kWarps>();
+  auto kernel = flash_fwd_tc_kernel<kMode, kD, kBN, kWarps>;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   dim3 grid((a.Lq + kBM - 1) / kBM, a.Hq, a.B);
-  kernel<<<grid, kThreads, smem, stream>>>(a);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -390,8 +395,10 @@ inline cudaError_t launch_forward_fast_f32(const SdpaParams& p, const SdpaFwdBuf
   const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   if (d > 128 || p.dtype != DType::kF32) return cudaErrorNotSupported;
   const bool hi = mode == Fp32Mode::kHighest;
-  if (d <= 64) return hi ? launch<2, 64, 64>(p, buf, stream) : launch<1, 64, 64>(p, buf, stream);
-  return hi ? launch<2, 128, 32>(p, buf, stream) : launch<1, 128, 32>(p, buf, stream);
+  // D <= 64: two blocks of 4 warps per SM (104 KB of shared memory each). D <= 128:
+  // one block of 8 warps (203 KB): 4-warp blocks of 135 KB ran one per SM.
+  if (d <= 64) return hi ? launch<2, 64, 64, 4>(p, buf, stream) : launch<1, 64, 64, 4>(p, buf, stream);
+  return hi ? launch<2, 128, 32, 8>(p, buf, stream) : launch<1, 128, 32, 8>(p, buf, stream);
 }
 
 }  // namespace tc
