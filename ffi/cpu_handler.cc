@@ -17,9 +17,10 @@ ffi::Error CpuFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, double scale,
                   int64_t window_left, int64_t window_right, bool bottom_right, bool seq_major,
-                  bool has_mask, bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+                  bool has_mask, bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
+                  int64_t fp32_precision) {
   SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major, has_mask,
-                           has_sinks, has_q_lengths, has_kv_lengths);
+                           has_sinks, has_q_lengths, has_kv_lengths, fp32_precision);
   SdpaParams p;
   SdpaFwdBuffers buf;
   if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &buf);
@@ -39,9 +40,9 @@ ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                   ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
                   int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
-                  bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+                  bool has_sinks, bool has_q_lengths, bool has_kv_lengths, int64_t fp32_precision) {
   SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major, has_mask,
-                           has_sinks, has_q_lengths, has_kv_lengths);
+                           has_sinks, has_q_lengths, has_kv_lengths, fp32_precision);
   SdpaParams p;
   SdpaBwdBuffers buf;
   if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,

@@ -47,9 +47,11 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
                        ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, double scale, int64_t window_left,
                        int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
-                       bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+                       bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
+                       int64_t fp32_precision) {
   const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
+                                     fp32_precision);
   SdpaParams p;
   SdpaFwdBuffers buf;
   if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,

@@ -1,11 +1,12 @@
 // XLA FFI handlers `jax_sdpa_cuda_flash_fwd` / `_bwd`: our own CUDA flash-attention
 // prefill kernels (cuda/flash_attention*) behind the forward/backward contract of
-// docs/ffi_contract.md. DRAFT, not yet validated on a GPU and not yet routed
-// by jax_sdpa/dispatch.py (docs/cuda_flash.md).
+// docs/ffi_contract.md. `implementation="cuda"` routes here for everything the decode
+// kernel (`jax_sdpa_cuda_fwd`) does not take (jax_sdpa/dispatch.py: cuda_kernel).
 //
-// fp32 precision: the contract has no precision attribute yet, so
-// JAX_SDPA_CUDA_FP32=highest (read once per process) selects the split-TF32
-// ("3xTF32", ~fp32 accurate) kernels; anything else runs plain TF32.
+// fp32 precision: the contract's `fp32_precision` attribute (set by jax_sdpa from JAX's
+// default matmul precision at trace time) picks plain TF32 (0, default) or the
+// split-TF32 "3xTF32" kernels (1, highest: ~fp32 accurate). Benchmarks may override it
+// for every call of the process with JAX_SDPA_CUDA_FP32=tf32|highest (read once).
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
@@ -23,13 +24,23 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-cuda_flash::Fp32Mode fp32_mode() {
-  static const cuda_flash::Fp32Mode m = [] {
+// JAX_SDPA_CUDA_FP32 (benchmarks only): "tf32" or "highest" overrides the attribute.
+// -1: not set (or another value), use the attribute.
+int fp32_override() {
+  static const int m = [] {
     const char* v = std::getenv("JAX_SDPA_CUDA_FP32");
-    return (v != nullptr && std::string(v) == "highest") ? cuda_flash::Fp32Mode::kHighest
-                                                         : cuda_flash::Fp32Mode::kTf32;
+    if (v == nullptr) return -1;
+    if (std::string(v) == "highest") return static_cast<int>(kFp32PrecisionHighest);
+    if (std::string(v) == "tf32") return static_cast<int>(kFp32PrecisionDefault);
+    return -1;
   }();
   return m;
+}
+
+cuda_flash::Fp32Mode fp32_mode(const SdpaAttrs& attrs) {
+  const int64_t precision = fp32_override() >= 0 ? fp32_override() : attrs.fp32_precision;
+  return precision == kFp32PrecisionHighest ? cuda_flash::Fp32Mode::kHighest
+                                            : cuda_flash::Fp32Mode::kTf32;
 }
 
 ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -38,9 +49,10 @@ ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                             double scale, int64_t window_left, int64_t window_right,
                             bool bottom_right, bool seq_major, bool has_mask, bool has_sinks,
-                            bool has_q_lengths, bool has_kv_lengths) {
+                            bool has_q_lengths, bool has_kv_lengths, int64_t fp32_precision) {
   const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
+                                     fp32_precision);
   SdpaParams p;
   SdpaFwdBuffers buf;
   if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
@@ -55,7 +67,7 @@ ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
-  cudaError_t e = cuda_flash::launch_forward(p, buf, fp32_mode(), stream);
+  cudaError_t e = cuda_flash::launch_forward(p, buf, fp32_mode(attrs), stream);
   if (e != cudaSuccess) return cuda_error("cuda flash", "forward launch", e);
   return ffi::Error::Success();
 }
@@ -68,9 +80,10 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             double scale, int64_t window_left, int64_t window_right,
                             bool bottom_right, bool seq_major, bool has_mask, bool has_sinks,
-                            bool has_q_lengths, bool has_kv_lengths) {
+                            bool has_q_lengths, bool has_kv_lengths, int64_t fp32_precision) {
   const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
+                                     fp32_precision);
   SdpaParams p;
   SdpaBwdBuffers buf;
   if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
@@ -95,7 +108,7 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
     work = *mem;
   }
   (void)cudaGetLastError();
-  cudaError_t e = cuda_flash::launch_backward(p, buf, fp32_mode(), work, stream);
+  cudaError_t e = cuda_flash::launch_backward(p, buf, fp32_mode(attrs), work, stream);
   if (e != cudaSuccess) return cuda_error("cuda flash", "backward launch", e);
   return ffi::Error::Success();
 }

@@ -27,7 +27,14 @@ struct SdpaAttrs {
   bool has_sinks = false;
   bool has_q_lengths = false;
   bool has_kv_lengths = false;
+  // 0: default (fp32 inputs may use TF32 tensor cores), 1: highest (full fp32 accuracy).
+  // Set from JAX's default matmul precision at trace time; only kernels that would
+  // otherwise round fp32 operands (our CUDA flash kernels) look at it.
+  int64_t fp32_precision = 0;
 };
+
+// Values of the fp32_precision attribute.
+enum : int64_t { kFp32PrecisionDefault = 0, kFp32PrecisionHighest = 1 };
 
 // Appends the attribute bindings, in the contract's order, to an ffi::Bind().
 template <typename Binding>
@@ -41,7 +48,8 @@ auto bind_sdpa_attrs(Binding binding) {
       .template Attr<bool>("has_mask")
       .template Attr<bool>("has_sinks")
       .template Attr<bool>("has_q_lengths")
-      .template Attr<bool>("has_kv_lengths");
+      .template Attr<bool>("has_kv_lengths")
+      .template Attr<int64_t>("fp32_precision");
 }
 
 // The complete bindings of the two custom calls -- operands, results and attributes in
@@ -81,9 +89,10 @@ auto bind_sdpa_bwd(Binding binding) {
 
 inline SdpaAttrs make_attrs(double scale, int64_t window_left, int64_t window_right,
                             bool bottom_right, bool seq_major, bool has_mask,
-                            bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
-  return SdpaAttrs{scale,     window_left, window_right,  bottom_right,  seq_major,
-                   has_mask,  has_sinks,   has_q_lengths, has_kv_lengths};
+                            bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
+                            int64_t fp32_precision) {
+  return SdpaAttrs{scale,     window_left, window_right,  bottom_right,   seq_major,
+                   has_mask,  has_sinks,   has_q_lengths, has_kv_lengths, fp32_precision};
 }
 
 namespace detail {
@@ -198,6 +207,9 @@ inline ffi::Error decode_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   p->window_left = a.window_left;
   p->window_right = a.window_right;
   p->bottom_right = a.bottom_right;
+  if (a.fp32_precision != kFp32PrecisionDefault && a.fp32_precision != kFp32PrecisionHighest)
+    return invalid("fp32_precision must be 0 (default) or 1 (highest), got " +
+                   std::to_string(a.fp32_precision));
 
   // mask: rank 4 (b, h_q, i, j), each dim 1 or full; head-major in both layouts.
   p->mask_kind = MaskKind::kNone;

@@ -36,9 +36,10 @@ ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                     double scale, int64_t window_left, int64_t window_right, bool bottom_right,
                     bool seq_major, bool has_mask, bool has_sinks, bool has_q_lengths,
-                    bool has_kv_lengths) {
+                    bool has_kv_lengths, int64_t fp32_precision) {
   const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths,
+                                 fp32_precision);
   SdpaParams p;
   SdpaFwdBuffers io;
   if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &io);
@@ -55,9 +56,11 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
                     int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
-                    bool has_sinks, bool has_q_lengths, bool has_kv_lengths) {
+                    bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
+                    int64_t fp32_precision) {
   const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths);
+                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths,
+                                 fp32_precision);
   SdpaParams p;
   SdpaBwdBuffers io;
   if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,

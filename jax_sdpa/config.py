@@ -17,6 +17,39 @@ MASK_NONE = "none"
 MASK_BOOL = "bool"
 MASK_ADDITIVE = "additive"
 
+# StaticParams.fp32_precision (the FFI attribute of the same name).
+FP32_PRECISION_DEFAULT = 0  # fp32 inputs may use TF32 tensor cores (JAX's GPU default)
+FP32_PRECISION_HIGHEST = 1  # full fp32 accuracy
+
+# Values of `jax_default_matmul_precision` that ask for (at least) fp32 accuracy of
+# float32 matmuls: the legacy names and the dot-algorithm presets that are fp32-exact
+# or emulate it (3xTF32, 6/9xBF16). Everything else (None, "default", "high",
+# "tensorfloat32", "bfloat16", ...) is the default.
+_HIGHEST_MATMUL_PRECISIONS = frozenset({
+    "highest", "float32", "F32_F32_F32", "F64_F64_F64", "TF32_TF32_F32_X3",
+    "BF16_BF16_F32_X6", "BF16_BF16_F32_X9"})
+
+
+def current_fp32_precision() -> int:
+    """FP32_PRECISION_HIGHEST when JAX's *current* default matmul precision asks for full
+    float32 accuracy, else FP32_PRECISION_DEFAULT.
+
+    Reads `jax.config.jax_default_matmul_precision`, which resolves the thread-local value
+    of a `with jax.default_matmul_precision(...)` block before the global one (set by
+    `jax.config.update` or the JAX_DEFAULT_MATMUL_PRECISION environment variable), on
+    jax 0.10 and 0.11 alike. The value is also part of jit's cache key, so a function
+    traced under one precision is retraced under another."""
+    import jax
+
+    value = getattr(jax.config, "jax_default_matmul_precision", None)
+    if value is None:
+        return FP32_PRECISION_DEFAULT
+    # A string normally; tolerate a lax.Precision / DotAlgorithmPreset enum member.
+    name = getattr(value, "name", None) or str(value)
+    name = name.split(".")[-1]
+    highest = name in _HIGHEST_MATMUL_PRECISIONS or name.lower() in _HIGHEST_MATMUL_PRECISIONS
+    return FP32_PRECISION_HIGHEST if highest else FP32_PRECISION_DEFAULT
+
 
 @dataclasses.dataclass(frozen=True)
 class StaticParams:
@@ -28,6 +61,9 @@ class StaticParams:
     bottom_right: bool = False
     seq_major: bool = False  # False: [B, H, L, D]; True: [B, L, H, D]
     implementation: Optional[str] = None  # None: chosen per platform at lowering
+    # FP32_PRECISION_DEFAULT (TF32 allowed for fp32 inputs) or FP32_PRECISION_HIGHEST;
+    # unless given, JAX's default matmul precision when the params are made (trace time).
+    fp32_precision: int = dataclasses.field(default_factory=current_fp32_precision)
 
     @property
     def causal(self) -> bool:

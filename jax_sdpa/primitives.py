@@ -156,9 +156,11 @@ def _config_from_avals(avals, flags, params) -> Config:
 
 
 def _ffi_attrs(params: StaticParams, flags):
+    """The FFI attributes of docs/ffi_contract.md (every handler binds all of them)."""
     return dict(scale=float(params.scale), window_left=int(params.window_left),
                 window_right=int(params.window_right), bottom_right=bool(params.bottom_right),
-                seq_major=bool(params.seq_major), **{k: bool(v) for k, v in flags.items()})
+                seq_major=bool(params.seq_major), **{k: bool(v) for k, v in flags.items()},
+                fp32_precision=np.int64(params.fp32_precision))
 
 
 def _lower(direction, platform):

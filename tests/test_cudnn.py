@@ -64,7 +64,7 @@ def _attrs(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl):
     return dict(scale=float(scale), window_left=int(wl), window_right=int(wr),
                 bottom_right=bool(br), seq_major=bool(seq_major), has_mask=mask is not None,
                 has_sinks=sinks is not None, has_q_lengths=ql is not None,
-                has_kv_lengths=kvl is not None)
+                has_kv_lengths=kvl is not None, fp32_precision=np.int64(0))
 
 
 def _optional(mask, sinks, ql, kvl):
