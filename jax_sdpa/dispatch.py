@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from jax_sdpa import _ext
-from jax_sdpa.config import MASK_BOOL, Config
+from jax_sdpa.config import FP32_PRECISION_HIGHEST, MASK_BOOL, Config
 
 IMPLEMENTATIONS = ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked")
 FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "metal": "cpu", "cpu": "cpu"}
@@ -185,27 +185,80 @@ def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
     return _ok(f"cuDNN {_cudnn_version_str(version)} {what}")
 
 
+# Instantiated in cuda/decode_attention*.cu.
+CUDA_DECODE_HEAD_DIMS = frozenset(
+    [(d, d) for d in (64, 72, 80, 96, 128, 192, 256, 512)] + [(192, 128), (96, 64)])
+
+# Our CUDA flash kernels' limits (mirrors unsupported_reason in cuda/flash_attention.cu).
+CUDA_FLASH_MAX_HEAD_DIM = 512
+CUDA_FLASH_MAX_GRID = 65535  # batch and query heads are grid dimensions
+CUDA_FLASH_MAX_LEN = 1 << 30
+
+
+def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
+    """Our decode kernel (target jax_sdpa_cuda_fwd, cuda/decode_attention*): forward only,
+    few-query shapes, the instantiated head dims."""
+    if direction == "bwd":
+        return _no("the decode kernel has no backward")
+    if (r := _common_fused_checks(cfg)) is not None:
+        return r
+    if not cfg.is_decode:
+        return _no("the decode kernel serves few-query (decode) shapes only "
+                   f"(Lq = {cfg.len_q}, {cfg.group} query heads per kv head)")
+    dims = (cfg.head_dim, cfg.head_dim_v)
+    if dims not in CUDA_DECODE_HEAD_DIMS:
+        return _no(f"the decode kernel is built for head dims (D, Dv) in "
+                   f"{sorted(CUDA_DECODE_HEAD_DIMS)}, not {dims}")
+    return _ok("our decode kernel (split-K over the kv cache; fp32 exact)")
+
+
+def cuda_flash_serves(cfg: Config, direction: str) -> Verdict:
+    """Our flash kernels (targets jax_sdpa_cuda_flash_{fwd,bwd}, cuda/flash_attention*):
+    forward and backward, every mask form, sinks, lengths, windows, GQA, both layouts."""
+    if (r := _common_fused_checks(cfg)) is not None:
+        return r
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    if d % 8 or dv % 8:
+        return _no(f"head dims must be multiples of 8 for the flash kernels (D={d}, Dv={dv})")
+    if max(d, dv) > CUDA_FLASH_MAX_HEAD_DIM:
+        return _no(f"head dims above {CUDA_FLASH_MAX_HEAD_DIM} are not supported by the flash "
+                   f"kernels (D={d}, Dv={dv})")
+    if cfg.batch > CUDA_FLASH_MAX_GRID or cfg.heads_q > CUDA_FLASH_MAX_GRID:
+        return _no(f"batch and query heads must each be <= {CUDA_FLASH_MAX_GRID} for the flash "
+                   f"kernels (B={cfg.batch}, Hq={cfg.heads_q})")
+    if max(cfg.len_q, cfg.len_kv) >= CUDA_FLASH_MAX_LEN:
+        return _no("sequence lengths must be < 2**30 for the flash kernels")
+    if cfg.dtype == np.dtype(np.float32):
+        precision = ("3xTF32, ~fp32 accurate (matmul precision 'highest')"
+                     if cfg.params.fp32_precision == FP32_PRECISION_HIGHEST else
+                     "TF32 tensor cores (JAX's default matmul precision; "
+                     "use jax.default_matmul_precision('highest') for full fp32)")
+        return _ok(f"our flash kernels, fp32 as {precision}")
+    return _ok("our flash kernels")
+
+
+def cuda_kernel(cfg: Config, direction: str):
+    """Which of our CUDA kernels `implementation="cuda"` runs: ("decode" | "flash" | None,
+    reason naming the kernel, its FFI target and why). The decode kernel takes the forward
+    of every decode-shaped call it serves; the flash kernels everything else they serve
+    (and every backward)."""
+    decode_ok, decode_why = cuda_decode_serves(cfg, direction)
+    if decode_ok:
+        return "decode", f"{decode_why} [jax_sdpa_cuda_{direction}]"
+    flash_ok, flash_why = cuda_flash_serves(cfg, direction)
+    if flash_ok:
+        return "flash", (f"{flash_why} [jax_sdpa_cuda_flash_{direction}]; not the decode "
+                         f"kernel: {decode_why}")
+    return None, f"{flash_why}; and {decode_why}"
+
+
 def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
     if (r := _platform_check("cuda", platform)) is not None:
         return r
     if not _ext.has_backend("cuda"):
         return _no("our CUDA kernels are not built into this installation")
-    if direction == "bwd":
-        return _no("our CUDA kernels have no backward yet")
-    if (r := _common_fused_checks(cfg)) is not None:
-        return r
-    if not cfg.is_decode:
-        return _no("our CUDA kernel serves few-query (decode) shapes only")
-    dims = (cfg.head_dim, cfg.head_dim_v)
-    if dims not in CUDA_DECODE_HEAD_DIMS:
-        return _no(f"our CUDA decode kernel is built for head dims (D, Dv) in "
-                   f"{sorted(CUDA_DECODE_HEAD_DIMS)}, not {dims}")
-    return _ok()
-
-
-# Instantiated in cuda/decode_attention*.cu.
-CUDA_DECODE_HEAD_DIMS = frozenset(
-    [(d, d) for d in (64, 72, 80, 96, 128, 192, 256, 512)] + [(192, 128), (96, 64)])
+    kernel, why = cuda_kernel(cfg, direction)
+    return (kernel is not None), why
 
 
 _RULES = {
@@ -235,11 +288,33 @@ def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
     return cfg.batch * cfg.heads_kv * -(-rows // 16) >= 64
 
 
+def _cuda_flash_preferred(cfg: Config) -> bool:
+    """Whether `implementation=None` should run our CUDA flash kernels on a call that
+    cuDNN cannot serve (asked only then), rather than xla / xla_chunked.
+
+    Measured on the H200 (benchmarks, fwd): fp32 SD3 B2 H38 L4250 D64 ours 37 vs xla 41
+    TFLOP/s but 1.2 MiB vs 10.2 GiB of temporaries; D512 bf16 causal L4096 ours 30 vs xla
+    129 TFLOP/s. So for now: fp32 at head dims <= 128 (about as fast, O(L) memory), and
+    16-bit at head dims > 256 only where xla would materialize more scores than
+    XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
+    `_cuda_decode_wins`, own those). The kernels are being sped up: retune after measuring.
+    """
+    if cfg.is_decode:
+        return False
+    dmax = max(cfg.head_dim, cfg.head_dim_v)
+    if cfg.dtype == np.dtype(np.float32):
+        return dmax <= 128
+    return dmax > 256 and cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
+
+
 def _preference(cfg: Config, platform: str, direction: str):
     """Fused implementations to try, fastest first, on this platform."""
     if platform == "cuda":
-        if cfg.is_decode and direction == "fwd" and _cuda_decode_wins(cfg, direction, platform):
+        if (cfg.is_decode and cuda_decode_serves(cfg, direction)[0]
+                and _cuda_decode_wins(cfg, direction, platform)):
             return ["cuda", "cudnn"]
+        if not supports_cudnn(cfg, direction, platform)[0] and _cuda_flash_preferred(cfg):
+            return ["cuda"]
         return ["cudnn"]
     if platform == "cpu":
         # The Metal emulator on Linux is for testing only: never chosen implicitly.
@@ -274,5 +349,17 @@ def explain_choice(cfg: Config, platform: str, direction: str = "fwd"):
     return choose(cfg, platform, direction), verdicts
 
 
-def ffi_target(name: str, direction: str) -> str:
+def ffi_target(name: str, direction: str, cfg: Optional[Config] = None) -> str:
+    """The FFI target of implementation `name`. "cuda" is two kernels: the decode kernel
+    (`jax_sdpa_cuda_fwd`) or the flash kernels (`jax_sdpa_cuda_flash_{fwd,bwd}`), as
+    `cuda_kernel` decides from the call's config."""
+    if name == "cuda":
+        if cfg is None:
+            raise ValueError("ffi_target('cuda', ...) needs the call's config")
+        kernel, why = cuda_kernel(cfg, direction)
+        if kernel is None:
+            raise NotImplementedError(f"jax_sdpa: implementation='cuda' can't serve this "
+                                      f"call: {why}")
+        return f"jax_sdpa_cuda_{direction}" if kernel == "decode" else \
+            f"jax_sdpa_cuda_flash_{direction}"
     return f"jax_sdpa_{name}_{direction}"

@@ -188,7 +188,7 @@ def _lower(direction, platform):
                 return ref(*fixed, *optional, params=params, chunked=chunked)
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-        target = dispatch.ffi_target(name, direction)
+        target = dispatch.ffi_target(name, direction, cfg)
         return jax.ffi.ffi_lowering(target)(ctx, *args, **_ffi_attrs(params, flags))
 
     return rule

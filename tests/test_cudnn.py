@@ -447,6 +447,9 @@ def test_cuda_module_when_built():
             pytest.fail("the CUDA extension was expected but is " + why)
         pytest.skip("the CUDA extension is not built here: " + why)
     assert {"jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"} <= set(m.registrations())
+    # implementation="cuda" routes to these (jax_sdpa/dispatch.py: ffi_target)
+    assert {"jax_sdpa_cuda_fwd", "jax_sdpa_cuda_flash_fwd",
+            "jax_sdpa_cuda_flash_bwd"} <= set(m.registrations())
     assert m.cudnn_compiled_version() >= 90000
     assert m.cudnn_frontend_version() >= 11600
     assert m.graph_cache_capacity() >= 0

@@ -1,5 +1,6 @@
 """Input checks (clear ValueError/TypeError at trace time, naming the argument and shapes),
-`implementation=` handling and `explain`; the fp32_precision attribute."""
+`implementation=` handling and `explain`; the fp32_precision attribute; the routing of
+implementation="cuda" (decode vs flash kernels) and the cuda platform's preference."""
 
 import os
 import re
@@ -190,3 +191,182 @@ def test_handlers_validate_fp32_precision():
         jax.block_until_ready(call(q, q, q, *empty, **attrs, fp32_precision=np.int64(2)))
     with pytest.raises(Exception, match="attributes"):  # every attribute is required
         jax.block_until_ready(call(q, q, q, *empty, **attrs))
+
+
+# ---------------------------------------------------------------------------
+# implementation="cuda": the decode kernel or the flash kernels (fake configs, CPU)
+
+def _cfg_from(q, k, v, **kw):
+    from jax_sdpa.config import Config, StaticParams
+    params = StaticParams(scale=0.125, **kw)
+    return Config.from_shapes(q.shape, k.shape, v.shape, q.dtype, None, None, False, False,
+                              False, params)
+
+
+def _cfg(dtype="float32", b=2, hq=8, hk=2, lq=256, lk=256, d=64, dv=None, **kw):
+    s = jax.ShapeDtypeStruct
+    dt = jnp.dtype(dtype)
+    return _cfg_from(s((b, hq, lq, d), dt), s((b, hk, lk, d), dt), s((b, hk, lk, dv or d), dt),
+                     **kw)
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    """Every backend built, cuDNN 9.19 on a compute capability 9.0 GPU."""
+    from jax_sdpa import _ext, dispatch
+    monkeypatch.setattr(_ext, "has_backend", lambda name: True)
+    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (9, 0)))
+    return dispatch
+
+
+@pytest.mark.parametrize("kwargs, direction, kernel", [
+    (dict(), "fwd", "flash"),  # fp32 prefill
+    (dict(), "bwd", "flash"),
+    (dict(dtype="bfloat16", d=512), "fwd", "flash"),
+    (dict(dtype="float16", d=320, dv=128), "bwd", "flash"),
+    (dict(d=8), "fwd", "flash"),
+    (dict(dtype="bfloat16", b=1, hq=8, hk=8, lq=1, lk=4096, d=128), "fwd", "decode"),
+    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=128), "fwd", "decode"),  # fp32 decode
+    (dict(dtype="bfloat16", b=1, hq=8, hk=8, lq=1, lk=4096, d=128), "bwd", "flash"),
+    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=40), "fwd", "flash"),  # D not built for decode
+    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=320), "fwd", "flash"),
+])
+def test_cuda_serves_with_the_right_kernel(fake_h200, kwargs, direction, kernel):
+    dispatch = fake_h200
+    cfg = _cfg(**kwargs)
+    ok, why = dispatch.supports("cuda", cfg, direction, "cuda")
+    assert ok, why
+    assert dispatch.cuda_kernel(cfg, direction)[0] == kernel
+    target = dispatch.ffi_target("cuda", direction, cfg)
+    want = {"decode": f"jax_sdpa_cuda_{direction}", "flash": f"jax_sdpa_cuda_flash_{direction}"}
+    assert target == want[kernel]
+    assert target in why  # explain names the kernel's target ...
+    assert ("decode kernel" if kernel == "decode" else "flash kernels") in why  # ... and why
+    assert dispatch.choose(cfg, "cuda", direction, "cuda") == "cuda"
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(d=36), "multiples of 8"),
+    (dict(d=64, dv=20), "multiples of 8"),
+    (dict(d=520), "above 512"),
+    (dict(dtype="bfloat16", d=64, dv=576), "above 512"),
+    (dict(b=65536, hq=1, hk=1, lq=32, lk=32), "65535"),
+    (dict(b=1, hq=70000, hk=1, lq=32, lk=32), "65535"),
+    (dict(b=1, hq=1, hk=1, lq=1 << 30, lk=32, d=8), "2\\*\\*30"),
+    (dict(b=1, hq=1, hk=1, lq=64, lk=1 << 30, d=8), "2\\*\\*30"),
+])
+def test_cuda_refusals_say_why(fake_h200, kwargs, pattern):
+    dispatch = fake_h200
+    cfg = _cfg(**kwargs)
+    for direction in ("fwd", "bwd"):
+        ok, why = dispatch.supports("cuda", cfg, direction, "cuda")
+        assert not ok and re.search(pattern, why), why
+        with pytest.raises(NotImplementedError, match=pattern):
+            dispatch.choose(cfg, "cuda", direction, "cuda")
+    assert not dispatch.supports("cuda", _cfg(), "fwd", "cpu")[0]
+
+
+def test_cuda_explain_names_kernel_and_precision(fake_h200):
+    dispatch = fake_h200
+    s = jax.ShapeDtypeStruct
+    x = s((2, 8, 512, 64), jnp.float32)
+    e = jax_sdpa.explain(x, x, x, platform="cuda")
+    ok, why = e.verdicts["cuda"]
+    assert ok and "flash kernels" in why and "TF32" in why and "jax_sdpa_cuda_flash_fwd" in why
+    assert "not the decode kernel" in why
+    assert "jax_sdpa_cuda_flash_bwd" in jax_sdpa.explain(x, x, x, platform="cuda",
+                                                          direction="bwd").verdicts["cuda"][1]
+    with jax.default_matmul_precision("highest"):
+        e = jax_sdpa.explain(x, x, x, platform="cuda")
+    assert e.config.params.fp32_precision == 1 and "3xTF32" in e.verdicts["cuda"][1]
+    dec = jax_sdpa.explain(s((1, 8, 1, 128), jnp.bfloat16), s((1, 8, 4096, 128), jnp.bfloat16),
+                           s((1, 8, 4096, 128), jnp.bfloat16), platform="cuda")
+    assert "decode kernel" in dec.verdicts["cuda"][1]
+    assert "jax_sdpa_cuda_fwd" in dec.verdicts["cuda"][1]
+
+
+@pytest.mark.parametrize("kwargs, direction, chosen", [
+    # cuDNN wherever it serves
+    (dict(dtype="bfloat16", d=128), "fwd", "cudnn"),
+    (dict(dtype="float16", d=256, lq=4096, lk=4096), "bwd", "cudnn"),
+    # fp32: ours up to head dim 128, fwd and bwd
+    (dict(b=2, hq=38, hk=38, lq=4250, lk=4250, d=64), "fwd", "cuda"),
+    (dict(b=2, hq=38, hk=38, lq=4250, lk=4250, d=64), "bwd", "cuda"),
+    (dict(d=128), "fwd", "cuda"),
+    (dict(d=64, dv=128), "bwd", "cuda"),
+    (dict(d=192, dv=128), "fwd", "xla"),
+    (dict(d=256, lq=8192, lk=8192), "fwd", "xla_chunked"),
+    (dict(d=256), "bwd", "xla"),
+    # 16-bit above cuDNN's 256: ours only where xla would go chunked
+    (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512, window_right=0,
+          bottom_right=True), "fwd", "cuda"),
+    (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512), "bwd", "cuda"),
+    (dict(dtype="bfloat16", d=512), "fwd", "xla"),
+    (dict(dtype="float16", d=320), "bwd", "xla"),
+    # decode shapes: the decode kernel's crossover rule, never the flash kernels
+    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=64), "fwd", "xla"),  # 1 block: xla
+    (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "cuda"),  # 128 blocks: decode
+    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=40), "fwd", "xla"),
+    (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=40), "fwd", "xla"),  # decode can't: not flash
+    (dict(dtype="bfloat16", b=4, hq=32, hk=4, lq=1, lk=4096, d=128), "fwd", "cuda"),  # R=8
+])
+def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
+    dispatch = fake_h200
+    cfg = _cfg(**kwargs)
+    got = dispatch.choose(cfg, "cuda", direction)
+    assert got == chosen, (got, dispatch.explain_choice(cfg, "cuda", direction))
+    if got == "cuda":
+        kernel = dispatch.cuda_kernel(cfg, direction)[0]
+        assert kernel == ("decode" if cfg.is_decode else "flash")
+
+
+def test_cuda_flash_preferred_rule(fake_h200):
+    dispatch = fake_h200
+    pref = dispatch._cuda_flash_preferred
+    assert pref(_cfg(d=128)) and pref(_cfg(d=8)) and not pref(_cfg(d=136))
+    assert not pref(_cfg(b=1, hq=8, hk=1, lq=1, lk=4096, d=64))  # decode shape
+    big = dict(b=1, hq=16, hk=16, lq=4096, lk=4096)
+    assert pref(_cfg(dtype="bfloat16", d=264, **big))
+    assert not pref(_cfg(dtype="bfloat16", d=256, **big))
+    assert not pref(_cfg(dtype="float16", d=512))  # small: xla is faster
+
+
+def test_cuda_routing_in_the_lowering(fake_h200):
+    """Exported for the cuda platform from this CPU machine: the custom call targets that
+    implementation="cuda" and implementation=None lower to, with their fp32_precision."""
+    from jax import export
+
+    from jax_sdpa import vjp
+    from jax_sdpa.config import StaticParams
+
+    targets = ("jax_sdpa_cuda_fwd", "jax_sdpa_cuda_flash_fwd", "jax_sdpa_cuda_flash_bwd",
+               "jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd")
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
+
+    def calls(fn, *args):
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        return [(line.split("@")[1].split("(")[0], _fp32_precision_values(line)[0])
+                for line in _custom_calls(exp.mlir_module())]
+
+    def named(impl):  # binds the primitives directly: api.py checks names on this platform
+        def loss(q, k, v):
+            p = StaticParams(scale=0.125, implementation=impl)
+            return jnp.sum(vjp.attention(q, k, v, None, None, None, None, p)[0])
+        return loss
+
+    s = jax.ShapeDtypeStruct
+    x = s((2, 4, 128, 64), jnp.float32)
+    assert calls(named("cuda"), x, x, x) == [("jax_sdpa_cuda_flash_fwd", 0)]
+    assert calls(jax.grad(named("cuda")), x, x, x) == [("jax_sdpa_cuda_flash_fwd", 0),
+                                                       ("jax_sdpa_cuda_flash_bwd", 0)]
+    with jax.default_matmul_precision("highest"):
+        assert calls(jax.grad(named("cuda")), x, x, x) == [("jax_sdpa_cuda_flash_fwd", 1),
+                                                           ("jax_sdpa_cuda_flash_bwd", 1)]
+        assert calls(jax.grad(named(None)), x, x, x) == [("jax_sdpa_cuda_flash_fwd", 1),
+                                                         ("jax_sdpa_cuda_flash_bwd", 1)]
+    q, kv = s((2, 4, 1, 64), jnp.bfloat16), s((2, 4, 300, 64), jnp.bfloat16)
+    assert calls(jax.grad(lambda q, k, v: named("cuda")(q, k, v).astype(jnp.float32)),
+                 q, kv, kv) == [("jax_sdpa_cuda_fwd", 0), ("jax_sdpa_cuda_flash_bwd", 0)]
+    b = s((2, 4, 128, 64), jnp.bfloat16)
+    assert [t for t, _ in calls(jax.grad(lambda q, k, v: named(None)(q, k, v).astype(
+        jnp.float32)), b, b, b)] == ["jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"]
