@@ -20,6 +20,9 @@
 // kMode 1 = TF32 (JAX's default precision), 2 = 3xTF32 (hi/lo split, ~fp32).
 #pragma once
 
+#include <cstdlib>
+#include <string>
+
 #include "cuda/flash_attention.cuh"
 
 namespace jax_sdpa {
@@ -101,16 +104,18 @@ __device__ __forceinline__ void mma_tc(float (&d)[4], const uint32_t (&a)[4], co
   }
 }
 
-template <int kD, int kBN, int kWarps>
+template <int kD, int kBN, int kWarps, int kStages>
 constexpr size_t smem_bytes() {
   constexpr int kBM = 32 * kWarps;
-  return sizeof(float) * (static_cast<size_t>(kBM) * (kD + 4) + 4ull * kBN * (kD + 4));
+  return sizeof(float) * (static_cast<size_t>(kBM) * (kD + 4) + 2ull * kStages * kBN * (kD + 4));
 }
 
 // kD: head dim D and Dv padded up (zero columns); kBN: keys per tile; kWarps: warps
-// per block (32 query rows each).
-template <int kMode, int kD, int kBN, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? 2 : 1)
+// per block (32 query rows each); kStages: K/V buffers (2: a barrier before a buffer
+// is refilled; 3: the refilled buffer was last read two tiles ago, before the
+// previous tile's barrier, so that barrier suffices).
+template <int kMode, int kD, int kBN, int kWarps, int kStages>
+__global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD == 64 ? 3 : 2) : 1)
     flash_fwd_tc_kernel(const FwdArgs a) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kBM = 32 * kWarps;
@@ -121,8 +126,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? 2 : 1)
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) float smem_f[];
   float* sQ = smem_f;
-  float* sK = sQ + kBM * kStride;      // [2][kBN][kStride]
-  float* sV = sK + 2 * kBN * kStride;  // [2][kBN][kStride]
+  float* sK = sQ + kBM * kStride;            // [kStages][kBN][kStride]
+  float* sV = sK + kStages * kBN * kStride;  // [kStages][kBN][kStride]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -190,9 +195,9 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? 2 : 1)
   const int k_frag_off = (lrow + (lmat >> 1) * 8) * kStride + (lmat & 1) * 4;
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    const int stage = tile & 1;
+    const int stage = tile % kStages;
     const int kb = kb_begin + tile * kBN;
-    if (tile + 1 < n_tiles) load_kv(tile + 1, stage ^ 1);
+    if (tile + 1 < n_tiles) load_kv(tile + 1, (tile + 1) % kStages);
     cp_async_commit();
     cp_async_wait<1>();  // Q and this tile have landed (for this thread)
     if constexpr (kMode == 1) {
@@ -342,7 +347,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? 2 : 1)
         for (int mt = 0; mt < 2; ++mt) mma_tc<kMode>(acc[mt][n], pa[mt], vb);
       }
     }
-    __syncthreads();  // everyone is done with this stage before it is refilled
+    if constexpr (kStages == 2) __syncthreads();  // this buffer is refilled next
   }
   cp_async_wait<0>();
 
@@ -374,12 +379,12 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? 2 : 1)
   }
 }
 
-template <int kMode, int kD, int kBN, int kWarps>
+template <int kMode, int kD, int kBN, int kWarps, int kStages>
 cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream) {
   constexpr int kBM = 32 * kWarps;
   const FwdArgs a = make_fwd_args(p, buf, kD);
-  constexpr size_t smem = smem_bytes<kD, kBN, kWarps>();
-  auto kernel = flash_fwd_tc_kernel<kMode, kD, kBN, kWarps>;
+  constexpr size_t smem = smem_bytes<kD, kBN, kWarps, kStages>();
+  auto kernel = flash_fwd_tc_kernel<kMode, kD, kBN, kWarps, kStages>;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
@@ -388,17 +393,34 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
   return cudaGetLastError();
 }
 
+// Tile configurations, "<keys per tile>x<warps>s<stages>"; the default per head dim
+// was measured fastest on the H200. JAX_SDPA_FLASH_FWD_CFG (read on every call)
+// picks another one, for benchmarks/flash_fwd_sweep.py.
+template <int kMode>
+cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream,
+                       bool wide, const char* cfg) {
+  const std::string c = cfg == nullptr ? "" : cfg;
+  if (!wide) {
+    if (c == "64x8s2") return launch<kMode, 64, 64, 8, 2>(p, buf, stream);
+    if (c == "64x8s3") return launch<kMode, 64, 64, 8, 3>(p, buf, stream);
+    if (c == "32x4s3") return launch<kMode, 64, 32, 4, 3>(p, buf, stream);
+    return launch<kMode, 64, 64, 4, 2>(p, buf, stream);  // "64x4s2": 2 blocks per SM
+  }
+  if (c == "32x4s2") return launch<kMode, 128, 32, 4, 2>(p, buf, stream);
+  if (c == "16x8s3") return launch<kMode, 128, 16, 8, 3>(p, buf, stream);
+  return launch<kMode, 128, 32, 8, 2>(p, buf, stream);  // "32x8s2"
+}
+
 // Serves fp32 with D, Dv <= 128; returns cudaErrorNotSupported otherwise (the caller
-// falls back to the generic kernel).
+// falls back to the generic kernel). D <= 64: two blocks of 4 warps per SM (104 KB
+// of shared memory each); D <= 128: one block of 8 warps (203 KB).
 inline cudaError_t launch_forward_fast_f32(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                            Fp32Mode mode, cudaStream_t stream) {
   const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   if (d > 128 || p.dtype != DType::kF32) return cudaErrorNotSupported;
-  const bool hi = mode == Fp32Mode::kHighest;
-  // D <= 64: two blocks of 4 warps per SM (104 KB of shared memory each). D <= 128:
-  // one block of 8 warps (203 KB): 4-warp blocks of 135 KB ran one per SM.
-  if (d <= 64) return hi ? launch<2, 64, 64, 4>(p, buf, stream) : launch<1, 64, 64, 4>(p, buf, stream);
-  return hi ? launch<2, 128, 32, 8>(p, buf, stream) : launch<1, 128, 32, 8>(p, buf, stream);
+  const char* cfg = std::getenv("JAX_SDPA_FLASH_FWD_CFG");
+  return mode == Fp32Mode::kHighest ? launch_cfg<2>(p, buf, stream, d > 64, cfg)
+                                    : launch_cfg<1>(p, buf, stream, d > 64, cfg);
 }
 
 }  // namespace tc
