@@ -389,9 +389,90 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None):
     return out
 
 
+# ---------------------------------------------------------------------------
+# --only bwd_sweep: the fp32 backward's run-time variants (JAX_SDPA_FLASH_BWD_VARIANT, read by
+# the C++ launcher on every call, so one compiled executable serves all of them; TF32 only)
+# ---------------------------------------------------------------------------
+BWD_VARIANTS = ("base", "flat", "ldsm", "flat_ldsm", "flat_ldsm_kreg", "flat_ldsm_kvreg")
+BWD_SWEEP_ROWS = [  # (name, B, H, L, D, causal)
+    ("SD3 B2 H38 L4250 D64 fp32", 2, 38, 4250, 64, False),
+    ("fp32 B1 H16 L8192 D128", 1, 16, 8192, 128, False),
+    ("SD3 B2 H38 L4250 D64 fp32 causal", 2, 38, 4250, 64, True),
+]
+
+
+def run_bwd_sweep(budget_s=55.0, variants=BWD_VARIANTS):
+    knob = "JAX_SDPA_FLASH_BWD_VARIANT"
+    saved = os.environ.get(knob)
+    t_start = time.perf_counter()
+    out = []
+    try:
+        for name, B, H, L, D, causal in BWD_SWEEP_ROWS:
+            kq, kk, kv = jax.random.split(jax.random.PRNGKey(1), 3)
+            q, k, v = (jax.random.normal(x, (B, H, L, D), jnp.float32) for x in (kq, kk, kv))
+            flops = 4 * B * H * L * L * D / (2 if causal else 1)
+            wr = 0 if causal else -1
+            fwd = jax.jit(lambda q, k, v, wr=wr: flash_fwd(q, k, v, wr=wr))
+
+            def fb(q, k, v, wr=wr):
+                o, lse = flash_fwd(q, k, v, wr=wr)
+                return flash_bwd(q, k, v, o, lse, o, wr=wr)  # dout = out: any dense tensor
+
+            fbj = jax.jit(fb)
+            os.environ.pop(knob, None)
+            t_fwd = median_time(fwd, (q, k, v))
+            ref = jax.block_until_ready(fbj(q, k, v))  # the default kernel's dq, dk, dv
+            scales = [max(1.0, float(jnp.max(jnp.abs(r)))) for r in ref]
+            recs = []
+            for var in variants:
+                if D > 64 and "reg" in var:
+                    continue  # D > 64 runs flat_ldsm for these (no register room)
+                if time.perf_counter() - t_start > budget_s:
+                    print(f"bwd_sweep: budget {budget_s:.0f}s spent, skipping the rest",
+                          flush=True)
+                    break
+                os.environ[knob] = var
+                rec = dict(sweep="bwd", row=name, variant=var)
+                try:
+                    g = jax.block_until_ready(fbj(q, k, v))
+                    diffs = [float(jnp.max(jnp.abs(x - r))) / sc
+                             for x, r, sc in zip(g, ref, scales)]
+                    del g
+                    t = median_time(fbj, (q, k, v))
+                    rec.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12,
+                               fwd_ms=t_fwd * 1e3, bwd_ms_est=(t - t_fwd) * 1e3,
+                               bwd_tflops_est=2.5 * flops / max(t - t_fwd, 1e-9) / 1e12,
+                               rel_diff_dq=diffs[0], rel_diff_dk=diffs[1], rel_diff_dv=diffs[2],
+                               status="DIFFERS" if max(diffs) > 1e-3 or
+                               not all(math.isfinite(x) for x in diffs) else "ok")
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = str(e)[:300]
+                print(json.dumps(rec), flush=True)
+                out.append(rec)
+                recs.append(rec)
+            good = [r for r in recs if r.get("status") == "ok"]
+            if good:
+                best = min(good, key=lambda r: r["fwdbwd_ms"])
+                base = next((r for r in recs if r["variant"] == "base" and "fwdbwd_ms" in r),
+                            None)
+                print(json.dumps(dict(sweep="bwd", row=name, best=best["variant"],
+                                      fwdbwd_ms=best["fwdbwd_ms"],
+                                      fwdbwd_tflops=best["fwdbwd_tflops"],
+                                      bwd_ms_est=best["bwd_ms_est"],
+                                      speedup_vs_base=(base["fwdbwd_ms"] / best["fwdbwd_ms"]
+                                                       if base else None))), flush=True)
+            del q, k, v, ref
+    finally:
+        if saved is None:
+            os.environ.pop(knob, None)
+        else:
+            os.environ[knob] = saved
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", choices=("check", "bench"))
+    ap.add_argument("--only", choices=("check", "bench", "bwd_sweep"))
     ap.add_argument("--out", default=None, help="folder for flash_check.json")
     ap.add_argument("--fp32-tol", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -404,6 +485,13 @@ def main():
     print(json.dumps(res), flush=True)
     if a.only in (None, "check"):
         res["check"] = run_check(a.seed, a.fp32_tol, with_bwd=BWD in found)
+    if a.only == "bwd_sweep":
+        if BWD not in found:
+            sys.exit(f"{BWD} is not registered: no backward to sweep")
+        if HIGHEST:
+            print("note: JAX_SDPA_CUDA_FP32=highest: every variant runs the default kernel",
+                  flush=True)
+        res["bwd_sweep"] = run_bwd_sweep()
     if a.only in (None, "bench"):
         res["bench"] = run_bench(have_bwd=BWD in found, peers=not a.no_peers,
                                  only=[r for r in a.rows.split(",") if r])

@@ -201,7 +201,89 @@ __device__ __forceinline__ void warp_cB(float (&acc)[kD / 8][4], const float (&x
   }
 }
 
-template <int kMode, int kD, int kBr>
+// ---- run-time variants (JAX_SDPA_FLASH_BWD_VARIANT, read by the launcher per call) ----
+// kVar bits: kVarFlat = no run-time guards inside the mma loops (work over the padded kD
+// columns and all kBc keys: padding is zero-filled, so the result is the same; lets ptxas
+// schedule loads across k-steps); kVarLdsm = ldmatrix.x4 for the S^T / dP^T operands (K, V
+// A fragments; Q, dO B fragments) and for dQ's dS A fragment (dS stored [query][key] with
+// keys permuted inside each 8-block, see below); kVarKreg / kVarVreg = K's / V's A
+// fragments of this warp's 16 keys held in registers for the whole query loop (needs Ldsm).
+constexpr int kVarFlat = 1;
+constexpr int kVarLdsm = 2;
+constexpr int kVarKreg = 4;
+constexpr int kVarVreg = 8;
+
+// ldmatrix.x4 of b16 pairs: lanes 8i..8i+7 give the row addresses of matrix i; register i
+// of lane (g = lane / 4, t = lane % 4) gets float [row g][col t] of matrix i (an 8 x 4-float
+// tile = a tf32 fragment piece). volatile as in flash_fwd_tc.cuh (kept in order with the
+// barriers and the shared stores).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const float* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// A fragments (16 rows at sA, row stride kD + 4, k-steps kk) for all kk: regs[kk][0..3].
+// Matrix i = lane / 8: rows (i & 1) * 8 + lane % 8, cols (i >> 1) * 4 -> a0 (g,t), a1 (g+8,t),
+// a2 (g,t+4), a3 (g+8,t+4).
+template <int kD>
+__device__ __forceinline__ void load_a_frags(uint32_t (&regs)[kD / 8][4], const float* sA) {
+  constexpr int SK = kD + 4;
+  const int lane = threadIdx.x % 32, lrow = lane & 7, lmat = lane >> 3;
+  const float* pa = sA + (lrow + (lmat & 1) * 8) * SK + (lmat >> 1) * 4;
+#pragma unroll
+  for (int kk = 0; kk < kD / 8; ++kk) ldsm_x4(regs[kk], pa + kk * 8);
+}
+
+// warp_abT with ldmatrix: A from areg (kAreg) or sA; B = rows of sB: matrix i = lane / 8
+// supplies rows (i >> 1) * 8 + lane % 8 and cols (i & 1) * 4 of a 16-row block, i.e.
+// r0 = b0 and r1 = b1 of n-tile 2 n2, r2 = b0 and r3 = b1 of n-tile 2 n2 + 1
+// (b0 = (k t, n g) = row g col t, b1 = row g col t + 4).
+template <int kMode, int kD, int kBr, bool kFlat, bool kAreg>
+__device__ __forceinline__ void warp_abT_ldsm(float (&acc)[kBr / 8][4], const float* sA,
+                                              const uint32_t (&areg)[kD / 8][4],
+                                              const float* sB, int ncols) {
+  constexpr int SK = kD + 4;
+  const int lane = threadIdx.x % 32, lrow = lane & 7, lmat = lane >> 3;
+  const float* pa = sA + (lrow + (lmat & 1) * 8) * SK + (lmat >> 1) * 4;
+  const float* pb = sB + (lrow + (lmat >> 1) * 8) * SK + (lmat & 1) * 4;
+#pragma unroll
+  for (int kk = 0; kk < kD / 8; ++kk) {
+    if (kFlat || kk * 8 < ncols) {
+      uint32_t ar[4];
+      if constexpr (kAreg) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ar[i] = areg[kk][i];
+      } else {
+        ldsm_x4(ar, pa + kk * 8);
+      }
+      AFrag<kMode> a;
+      make_a<kMode>(a, __uint_as_float(ar[0]), __uint_as_float(ar[1]), __uint_as_float(ar[2]),
+                    __uint_as_float(ar[3]));
+#pragma unroll
+      for (int n2 = 0; n2 < kBr / 16; ++n2) {
+        uint32_t br[4];
+        ldsm_x4(br, pb + n2 * 16 * SK + kk * 8);
+        mma_ab<kMode>(acc[2 * n2], a, __uint_as_float(br[0]), __uint_as_float(br[1]));
+        mma_ab<kMode>(acc[2 * n2 + 1], a, __uint_as_float(br[2]), __uint_as_float(br[3]));
+      }
+    }
+  }
+}
+
+// warp_cB without the column guard (kFlat) or with it.
+template <int kMode, int kD, int kBr, bool kFlat>
+__device__ __forceinline__ void warp_cB_v(float (&acc)[kD / 8][4], const float (&x)[kBr / 8][4],
+                                          const float* sB, int ncols) {
+  if constexpr (kFlat) {
+    warp_cB<kMode, kD, kBr>(acc, x, sB, kD);  // n * 8 < kD: constant-folded
+  } else {
+    warp_cB<kMode, kD, kBr>(acc, x, sB, ncols);
+  }
+}
+
+template <int kMode, int kD, int kBr, int kVar>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a) {
   using C = Cfg<kD, kBr>;
   constexpr int SK = C::SK, SS = C::SS;
@@ -212,6 +294,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   constexpr int kQC = kD / kCG;         // dQ: columns per warp
   constexpr int kNQC = kQC / 8;
   static_assert(kWarps % kRG == 0 && kD % (kCG * 8) == 0, "dQ split");
+  constexpr bool kFlat = (kVar & kVarFlat) != 0;
+  constexpr bool kLdsm = (kVar & kVarLdsm) != 0;
+  constexpr bool kKreg = (kVar & kVarKreg) != 0;
+  constexpr bool kVreg = (kVar & kVarVreg) != 0;
+  static_assert(kLdsm || !(kKreg || kVreg), "register-resident K / V fragments need kVarLdsm");
+  // kLdsm: dS stored [query][key] (row stride SS2, kBr rows) with the keys of each 8-block
+  // permuted: physical column p < 4 holds key 2p, p >= 4 holds key 2(p - 4) + 1. Then an
+  // ldmatrix of [rows rq.., cols kb*8 + 0..3 | 4..7] gives A col t = key 2t, col t + 4 =
+  // key 2t + 1: exactly the permuted-k A fragment that K's B reads (rows 2t, 2t + 1) expect.
+  constexpr int SS2 = kBc + 4;
+  static_assert(SS2 % 32 == 4 && kBr * SS2 <= kBc * SS, "dS [query][key] fits the dS^T area");
   extern __shared__ __align__(16) float smem_bwd_tc[];
   float* sK = smem_bwd_tc + C::kOffK;
   float* sV = smem_bwd_tc + C::kOffV;
@@ -248,6 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   for (int n = 0; n < kND; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+  uint32_t kreg[kD / 8][4], vreg[kD / 8][4];  // used only by kVarKreg / kVarVreg
 
   if (n_iter > 0) {
     const float* Kg = static_cast<const float*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
@@ -312,6 +406,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
         Ls[tid] = (qb + tid >= qlen || l == -INFINITY) ? INFINITY : l * kLog2e;
       }
       __syncthreads();
+      if constexpr (kKreg) {
+        if (it == 0) load_a_frags<kD>(kreg, sK + warp * 16 * SK);  // K rounded + visible now
+      }
+      if constexpr (kVreg) {
+        if (it == 0) load_a_frags<kD>(vreg, sV + warp * 16 * SK);
+      }
 
       // ---- S^T = K Q^T, dP^T = V dO^T (this warp's 16 keys x kBr queries) ----
       float s[kNQ][4], dp[kNQ][4];
@@ -319,8 +419,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
       for (int n = 0; n < kNQ; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-      warp_abT<kMode, kD, kBr>(s, sK + warp * 16 * SK, Qs, f.D);
-      warp_abT<kMode, kD, kBr>(dp, sV + warp * 16 * SK, Os, f.Dv);
+      if constexpr (kLdsm) {
+        warp_abT_ldsm<kMode, kD, kBr, kFlat, kKreg>(s, sK + warp * 16 * SK, kreg, Qs, f.D);
+        warp_abT_ldsm<kMode, kD, kBr, kFlat, kVreg>(dp, sV + warp * 16 * SK, vreg, Os, f.Dv);
+      } else {
+        warp_abT<kMode, kD, kBr>(s, sK + warp * 16 * SK, Qs, kFlat ? kD : f.D);
+        warp_abT<kMode, kD, kBr>(dp, sV + warp * 16 * SK, Os, kFlat ? kD : f.Dv);
+      }
 
       // ---- P^T, dS^T (elementwise; rows = keys, columns = queries) ----
       bool full = f.mask_kind == 0 && qb + kBr <= qlen && k0 + kBc <= kvlen;
@@ -357,11 +462,21 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
       }
 
       // ---- dV += P^T dO, dK += dS^T Q ----
-      warp_cB<kMode, kD, kBr>(dv, s, Os, f.Dv);
-      warp_cB<kMode, kD, kBr>(dk, dp, Qs, f.D);
+      warp_cB_v<kMode, kD, kBr, kFlat>(dv, s, Os, f.Dv);
+      warp_cB_v<kMode, kD, kBr, kFlat>(dk, dp, Qs, f.D);
 
       // ---- dS^T -> smem ----
-      {
+      if constexpr (kLdsm) {
+        // dp[n][e] = dS^T[key warp*16 + g + 8 (e >> 1)][query n*8 + 2t + (e & 1)] ->
+        // row query, column (warp*2 + (e >> 1)) * 8 + perm(g). Banks 8t + perm(g) + c:
+        // conflict-free scalar stores.
+        const int pg = (g & 1) ? 4 + (g >> 1) : (g >> 1);
+        float* r0 = sS + (2 * t) * SS2 + warp * 16 + pg;
+#pragma unroll
+        for (int n = 0; n < kNQ; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) r0[(n * 8 + (e & 1)) * SS2 + (e >> 1) * 8] = dp[n][e];
+      } else {
         float* r0 = sS + (warp * 16 + g) * SS + 2 * t;
 #pragma unroll
         for (int n = 0; n < kNQ; ++n) {
@@ -382,6 +497,32 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
           for (int n = 0; n < kNQC; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+          if constexpr (kFlat || kLdsm) {
+            // Keys >= kvalid: K rows are zero-filled and dS is 0 there, so kFlat runs all
+            // kBc keys and all kQC columns (columns >= D are computed and not written).
+            const int lrow = lane & 7, lmat = lane >> 3;
+            const float* pl = sS + (rq + lrow + (lmat & 1) * 8) * SS2 + (lmat >> 1) * 4;
+#pragma unroll
+            for (int kb = 0; kb < kBc / 8; ++kb) {
+              if (kFlat || kb * 8 < kvalid) {
+                AFrag<kMode> af;  // TF32 mode: dS was stored rounded
+                if constexpr (kLdsm) {
+                  uint32_t ar[4];
+                  ldsm_x4(ar, pl + kb * 8);
+                  make_a<kMode>(af, __uint_as_float(ar[0]), __uint_as_float(ar[1]),
+                                __uint_as_float(ar[2]), __uint_as_float(ar[3]));
+                } else {
+                  const float* pa = sS + (kb * 8 + 2 * t) * SS + rq + g;
+                  make_a<kMode>(af, pa[0], pa[8], pa[SS], pa[SS + 8]);
+                }
+                const float* pb = sK + (kb * 8 + 2 * t) * SK + c0 + g;
+#pragma unroll
+                for (int n = 0; n < kNQC; ++n)
+                  if (kFlat || c0 + n * 8 < f.D)
+                    mma_ab<kMode>(acc[n], af, pb[n * 8], pb[SK + n * 8]);
+              }
+            }
+          } else {
 #pragma unroll 4
           for (int kb = 0; kb < kBc / 8; ++kb) {
             if (kb * 8 < kvalid) {
@@ -394,6 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
               for (int n = 0; n < kNQC; ++n)
                 if (c0 + n * 8 < f.D) mma_ab<kMode>(acc[n], af, pb[n * 8], pb[SK + n * 8]);
             }
+          }
           }
 #pragma unroll
           for (int r = 0; r < 2; ++r) {

@@ -3,6 +3,8 @@
 #include "cuda/flash_bwd_tc.h"
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/flash_bwd_tc.cuh"
 
@@ -13,16 +15,52 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <int kMode, int kD, int kBr>
+template <int kMode, int kD, int kBr, int kVar = 0>
 cudaError_t launch_t(const Args& a, int hk, cudaStream_t stream) {
   using C = Cfg<kD, kBr>;
-  auto kernel = flash_bwd_tc_kernel<kMode, kD, kBr>;
+  auto kernel = flash_bwd_tc_kernel<kMode, kD, kBr, kVar>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(C::kBytes));
   if (e != cudaSuccess) return e;
   const int key_tiles = (a.f.Lk + kBc - 1) / kBc;
   kernel<<<dim3(key_tiles, hk, a.f.B), kThreads, C::kBytes, stream>>>(a);
   return cudaGetLastError();
+}
+
+// JAX_SDPA_FLASH_BWD_VARIANT (read on every call; TF32 mode only, 3xTF32 always runs the
+// default): unset / "base" / unknown = the default kernel (variant 0).
+//   flat            no run-time guards in the mma loops (kVarFlat)
+//   ldsm            ldmatrix fragments for S^T / dP^T and dQ's dS (kVarLdsm)
+//   flat_ldsm       both
+//   flat_ldsm_kreg  + K's A fragments in registers (D <= 64 only; D > 64 runs flat_ldsm)
+//   flat_ldsm_kvreg + K's and V's A fragments in registers (same)
+int variant_from_env() {
+  const char* v = std::getenv("JAX_SDPA_FLASH_BWD_VARIANT");
+  if (v == nullptr || *v == 0) return 0;
+  if (!std::strcmp(v, "flat")) return kVarFlat;
+  if (!std::strcmp(v, "ldsm")) return kVarLdsm;
+  if (!std::strcmp(v, "flat_ldsm")) return kVarFlat | kVarLdsm;
+  if (!std::strcmp(v, "flat_ldsm_kreg")) return kVarFlat | kVarLdsm | kVarKreg;
+  if (!std::strcmp(v, "flat_ldsm_kvreg")) return kVarFlat | kVarLdsm | kVarKreg | kVarVreg;
+  return 0;
+}
+
+template <int kD, int kBr>
+cudaError_t launch_tf32(const Args& a, int hk, int var, cudaStream_t stream) {
+  switch (var) {
+    case kVarFlat: return launch_t<1, kD, kBr, kVarFlat>(a, hk, stream);
+    case kVarLdsm: return launch_t<1, kD, kBr, kVarLdsm>(a, hk, stream);
+    case kVarFlat | kVarLdsm: return launch_t<1, kD, kBr, kVarFlat | kVarLdsm>(a, hk, stream);
+    case kVarFlat | kVarLdsm | kVarKreg:
+      if constexpr (kD <= 64)
+        return launch_t<1, kD, kBr, kVarFlat | kVarLdsm | kVarKreg>(a, hk, stream);
+      return launch_t<1, kD, kBr, kVarFlat | kVarLdsm>(a, hk, stream);
+    case kVarFlat | kVarLdsm | kVarKreg | kVarVreg:
+      if constexpr (kD <= 64)
+        return launch_t<1, kD, kBr, kVarFlat | kVarLdsm | kVarKreg | kVarVreg>(a, hk, stream);
+      return launch_t<1, kD, kBr, kVarFlat | kVarLdsm>(a, hk, stream);
+    default: return launch_t<1, kD, kBr>(a, hk, stream);
+  }
 }
 
 }  // namespace
@@ -89,7 +127,8 @@ cudaError_t launch_backward_f32_fast(const SdpaParams& p, const SdpaBwdBuffers& 
   const int hk = static_cast<int>(p.heads_kv);
   if (mode == Fp32Mode::kHighest)
     return narrow ? launch_t<2, 64, 64>(a, hk, stream) : launch_t<2, 128, 32>(a, hk, stream);
-  return narrow ? launch_t<1, 64, 64>(a, hk, stream) : launch_t<1, 128, 32>(a, hk, stream);
+  const int var = variant_from_env();
+  return narrow ? launch_tf32<64, 64>(a, hk, var, stream) : launch_tf32<128, 32>(a, hk, var, stream);
 }
 
 }  // namespace cuda_flash
