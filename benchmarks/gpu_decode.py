@@ -79,7 +79,8 @@ def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, w
                 scale=float(scale), window_left=int(wl), window_right=int(wr),
                 bottom_right=bool(bottom_right), seq_major=bool(seq_major),
                 has_mask=mask is not None, has_sinks=sinks is not None,
-                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None)
+                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
+                fp32_precision=0)
 
 
 # ---------------------------------------------------------------------------

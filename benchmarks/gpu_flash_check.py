@@ -67,7 +67,8 @@ def flash_fwd(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=No
                 scale=float(scale), window_left=int(wl), window_right=int(wr),
                 bottom_right=bool(bottom_right), seq_major=bool(seq_major),
                 has_mask=mask is not None, has_sinks=sinks is not None,
-                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None)
+                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
+                fp32_precision=1 if HIGHEST else 0)
 
 
 def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qlen=None,
@@ -83,7 +84,8 @@ def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qle
                 scale=float(scale), window_left=int(wl), window_right=int(wr),
                 bottom_right=bool(bottom_right), seq_major=bool(seq_major),
                 has_mask=mask is not None, has_sinks=sinks is not None,
-                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None)
+                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
+                fp32_precision=1 if HIGHEST else 0)
 
 
 # ---------------------------------------------------------------------------

@@ -399,15 +399,17 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
 template <int kMode>
 cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream,
                        bool wide, const char* cfg) {
+  // cfg may name one configuration per head-dim class, comma-separated.
   const std::string c = cfg == nullptr ? "" : cfg;
+  auto named = [&](const char* name) { return c.find(name) != std::string::npos; };
   if (!wide) {
-    if (c == "64x8s2") return launch<kMode, 64, 64, 8, 2>(p, buf, stream);
-    if (c == "64x8s3") return launch<kMode, 64, 64, 8, 3>(p, buf, stream);
-    if (c == "32x4s3") return launch<kMode, 64, 32, 4, 3>(p, buf, stream);
+    if (named("64x8s2")) return launch<kMode, 64, 64, 8, 2>(p, buf, stream);
+    if (named("64x8s3")) return launch<kMode, 64, 64, 8, 3>(p, buf, stream);
+    if (named("32x4s3")) return launch<kMode, 64, 32, 4, 3>(p, buf, stream);
     return launch<kMode, 64, 64, 4, 2>(p, buf, stream);  // "64x4s2": 2 blocks per SM
   }
-  if (c == "32x4s2") return launch<kMode, 128, 32, 4, 2>(p, buf, stream);
-  if (c == "16x8s3") return launch<kMode, 128, 16, 8, 3>(p, buf, stream);
+  if (named("32x4s2")) return launch<kMode, 128, 32, 4, 2>(p, buf, stream);
+  if (named("16x8s3")) return launch<kMode, 128, 16, 8, 3>(p, buf, stream);
   return launch<kMode, 128, 32, 8, 2>(p, buf, stream);  // "32x8s2"
 }
 
