@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import _ext, dispatch
+from jax_sdpa import _ext, dispatch, reference
+from jax_sdpa.config import FP32_PRECISION_HIGHEST, StaticParams, current_fp32_precision
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
 
@@ -195,12 +196,63 @@ def oracle_inputs_f64(inputs, dtype):
     return out
 
 
+def oracle_grads(inputs, case, wrt):
+    """jax.grad of the exact reference in float64 (independent of our backward).
+    `inputs` as from random_inputs plus a "cotangent" [B, Hq, Lq, Dv]; `wrt` indexes
+    (q, k, v, mask, sinks). Returns numpy float64 gradients."""
+    with jax.enable_x64(True):
+        f64 = oracle_inputs_f64(inputs, case.dtype)
+        mask = f64["mask"]
+        params = StaticParams(scale=case.scale or 1.0 / np.sqrt(case.d))
+        if isinstance(mask, str):
+            params = StaticParams(scale=params.scale, window_right=0, bottom_right=True)
+            mask = None
+        elif mask is not None:
+            mask = jnp.asarray(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+            if mask.dtype != jnp.bool_:
+                mask = mask.astype(jnp.float64)
+        sinks = None if f64["sinks"] is None else jnp.asarray(f64["sinks"], jnp.float64)[None]
+        ql, kvl = f64["query_seq_lengths"], f64["key_value_seq_lengths"]
+        ct = jnp.asarray(inputs["cotangent"], jnp.float64)
+
+        def loss(q, k, v, mask, sinks):
+            out, _ = reference.forward(q, k, v, mask, sinks,
+                                       None if ql is None else jnp.asarray(ql),
+                                       None if kvl is None else jnp.asarray(kvl), params,
+                                       precision=jax.lax.Precision.HIGHEST)
+            return jnp.sum(out * ct)
+
+        args = [jnp.asarray(f64[n], jnp.float64) for n in ("q", "k", "v")] + [mask, sinks]
+        grads = jax.grad(loss, argnums=wrt)(*args)
+        return [np.asarray(g) for g in grads]
+
+
 # ---------------------------------------------------------------------------
 # tolerances
 
 # fp32 relative to the largest output; TF32-class kernels get their own bound.
 FP32_RTOL = 1e-5
+FP32_GRAD_RTOL = 2e-5
 TF32_RTOL = 2e-3
+TF32_GRAD_RTOL = 2e-3  # the flash kernels' 92-case validation allowed 4e-3 for the backward
+
+# Implementations whose fp32 matmuls may run on TF32 tensor cores at JAX's default matmul
+# precision on an NVIDIA GPU: our CUDA flash kernels (fp32_precision = 0) and XLA's own
+# dots. (The CUDA decode kernel is fp32 exact, but "cuda" covers both kernels.)
+TF32_IMPLEMENTATIONS = frozenset({"cuda", "xla", "xla_chunked"})
+
+
+def fp32_rtol(impl, rtol=FP32_RTOL, grad=False):
+    """The float32 tolerance for `impl` under JAX's *current* default matmul precision:
+    `rtol` (full fp32) under "highest" (e.g. JAX_DEFAULT_MATMUL_PRECISION=highest, as the
+    GPU runs of the shared suite use) or where nothing rounds to TF32 (the CPU); at the
+    default precision on a GPU, TF32_RTOL (TF32_GRAD_RTOL for gradients) for
+    TF32_IMPLEMENTATIONS."""
+    if current_fp32_precision() == FP32_PRECISION_HIGHEST or jax.default_backend() != "gpu":
+        return rtol
+    if impl in TF32_IMPLEMENTATIONS:
+        return max(rtol, TF32_GRAD_RTOL if grad else TF32_RTOL)
+    return rtol
 LOW_PRECISION_FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
 
 

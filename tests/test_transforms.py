@@ -9,7 +9,8 @@ import pytest
 import jax_sdpa
 import functools
 
-from sdpa_testing import assert_close, implementations_here, oracle_forward, serves_or_skip
+from sdpa_testing import (assert_close, fp32_rtol, implementations_here, oracle_forward,
+                          serves_or_skip)
 
 IMPLS = implementations_here()
 
@@ -54,7 +55,7 @@ def test_vmap_in_axes(impl, in_axes, rng):
     out = jax.jit(jax.vmap(fn, in_axes=in_axes))(*batched)
     for i in range(n):
         args = [x if ax is None else jnp.take(x, i, axis=ax) for x, ax in zip(batched, in_axes)]
-        assert_close(out[i], _oracle(*args, mask="causal"), "float32")
+        assert_close(out[i], _oracle(*args, mask="causal"), "float32", rtol_fp32=fp32_rtol(impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -72,7 +73,7 @@ def test_vmap_of_mask_sinks_lengths(impl, rng):
     for i in range(n):
         want = _oracle(q, k, v, mask=np.asarray(masks[i]), sinks=np.asarray(sinks[i]),
                        key_value_seq_lengths=np.asarray(lengths[i]))
-        assert_close(out[i], want, "float32")
+        assert_close(out[i], want, "float32", rtol_fp32=fp32_rtol(impl))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -83,7 +84,7 @@ def test_nested_vmap_and_grad_of_vmap(impl, rng):
     fn = lambda q: jax_sdpa.scaled_dot_product_attention(q, k, v, implementation=impl)
     out = jax.jit(jax.vmap(jax.vmap(fn)))(q2)
     assert out.shape == (3, 2) + q.shape[:3] + (v.shape[-1],)
-    assert_close(out[2, 1], _oracle(q2[2, 1], k, v), "float32")
+    assert_close(out[2, 1], _oracle(q2[2, 1], k, v), "float32", rtol_fp32=fp32_rtol(impl))
 
     def loss(q2, k):
         f = lambda q: jax_sdpa.scaled_dot_product_attention(q, k, v, implementation=impl)
@@ -96,7 +97,7 @@ def test_nested_vmap_and_grad_of_vmap(impl, rng):
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(q2, k)
     want = jax.jit(jax.grad(loss_ref, argnums=(0, 1)))(q2, k)
     for g, w in zip(got, want):
-        assert_close(g, w, "float32", rtol_fp32=2e-5)
+        assert_close(g, w, "float32", rtol_fp32=fp32_rtol(impl, 2e-5, grad=True))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -110,7 +111,7 @@ def test_vmap_of_grad(impl, rng):
             q, k, v, mask="causal", implementation=impl_name) ** 2)
         return jax.jit(jax.vmap(jax.grad(f)))(qs)
 
-    assert_close(g(impl), g("xla"), "float32", rtol_fp32=2e-5)
+    assert_close(g(impl), g("xla"), "float32", rtol_fp32=fp32_rtol(impl, 2e-5, grad=True))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -124,7 +125,8 @@ def test_eval_shape_checkpoint_and_loops(impl, rng):
     ck = jax.checkpoint(lambda q: jnp.sum(fn(q, k, v) ** 2))
     ref = lambda q: jnp.sum(jax_sdpa.scaled_dot_product_attention(
         q, k, v, implementation="xla") ** 2)
-    assert_close(jax.jit(jax.grad(ck))(q), jax.jit(jax.grad(ref))(q), "float32", rtol_fp32=2e-5)
+    assert_close(jax.jit(jax.grad(ck))(q), jax.jit(jax.grad(ref))(q), "float32",
+                 rtol_fp32=fp32_rtol(impl, 2e-5, grad=True))
 
     # inside lax.scan and fori_loop (the decode-loop shape)
     def body(carry, _):
@@ -136,7 +138,7 @@ def test_eval_shape_checkpoint_and_loops(impl, rng):
     for _ in range(3):
         o = jnp.asarray(_oracle(expect, k, v), jnp.float32)
         expect = jnp.concatenate([o, o], axis=-1)
-    assert_close(final, expect, "float32", rtol_fp32=3e-5)
+    assert_close(final, expect, "float32", rtol_fp32=fp32_rtol(impl, 3e-5))
 
 
 def test_eager_call_matches_jit(rng):
