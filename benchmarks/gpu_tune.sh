@@ -15,7 +15,7 @@ say "forward configurations"
 (cd /tmp && timeout 120 python3 -P $repo/benchmarks/flash_fwd_sweep.py --out "$OUT" 2>&1 | tee "$OUT/fwd_sweep.log") || rc=1
 say "backward variants"
 (cd /tmp && timeout 90 python3 -P $repo/benchmarks/gpu_flash_check.py --only bwd_sweep --out "$OUT/bwd" 2>&1 | tee "$OUT/bwd_sweep.log" | grep -v '^{"row"' ) || rc=1
-fwd_best=$(grep "^fwd sweep best" "$OUT/fwd_sweep.log" | awk '{print $(NF-1)}' | grep -v default | paste -sd, -)
+fwd_best=$(grep "^fwd sweep best" "$OUT/fwd_sweep.log" | sed "s/.*: \([^ ]*\) [0-9.]* TFLOP.*/\1/" | grep -v default | paste -sd, -)
 bwd_best=$(python3 - "$OUT/bwd_sweep.log" <<'PY'
 import json, sys
 best = ""

@@ -1,6 +1,5 @@
-// Our CUDA flash-attention prefill kernels (forward + backward), host API. DRAFT: not yet
-// validated on a GPU (docs/cuda_flash.md). Serves what cuDNN refuses:
-// float32 inputs (TF32 tensor cores, or split-TF32 "3xTF32" for full fp32
+// Our CUDA flash-attention prefill kernels (forward + backward), host API
+// (docs/cuda_flash.md). Serves what cuDNN refuses: float32 inputs (TF32 tensor cores, or split-TF32 "3xTF32" for full fp32
 // accuracy) and fp16/bf16 at head dims up to 512 (any multiple of 8).
 // Semantics: docs/ffi_contract.md. Plain C++ so the host-compiled FFI handler
 // can include it.
@@ -15,9 +14,8 @@
 namespace jax_sdpa {
 namespace cuda_flash {
 
-// fp32 precision: kTf32 (JAX's default matmul precision) or kHighest
-// (split-TF32, ~fp32 accuracy). Until the contract carries a precision
-// attribute, the handler reads JAX_SDPA_CUDA_FP32=highest from the environment.
+// fp32 precision: kTf32 (JAX's default matmul precision) or kHighest (split-TF32,
+// ~fp32 accuracy), from the contract's fp32_precision attribute (ffi/cuda_flash_handler.cc).
 enum class Fp32Mode : int { kTf32 = 0, kHighest = 1 };
 
 // Empty when the flash kernels can serve `p`, else why not.

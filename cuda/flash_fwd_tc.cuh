@@ -394,8 +394,10 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
 }
 
 // Tile configurations, "<keys per tile>x<warps>s<stages>"; the default per head dim
-// was measured fastest on the H200. JAX_SDPA_FLASH_FWD_CFG (read on every call)
-// picks another one, for benchmarks/flash_fwd_sweep.py.
+// was measured fastest on the H200 (2026-11-30, benchmarks/flash_fwd_sweep.py, TFLOP/s):
+// D <= 64, SD3 B2 H38 L4250: 64x4s2 88.5, 64x8s2 88.0, 64x8s3 93.2, 32x4s3 80.0
+// (causal L8192: 86.5 / - / 91.8 / 76.3); D <= 128, B1 H16 L8192: 32x8s2 115.6,
+// 32x4s2 74.3, 16x8s3 95.5. JAX_SDPA_FLASH_FWD_CFG (read on every call) picks another.
 template <int kMode>
 cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream,
                        bool wide, const char* cfg) {
@@ -403,10 +405,10 @@ cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStrea
   const std::string c = cfg == nullptr ? "" : cfg;
   auto named = [&](const char* name) { return c.find(name) != std::string::npos; };
   if (!wide) {
+    if (named("64x4s2")) return launch<kMode, 64, 64, 4, 2>(p, buf, stream);
     if (named("64x8s2")) return launch<kMode, 64, 64, 8, 2>(p, buf, stream);
-    if (named("64x8s3")) return launch<kMode, 64, 64, 8, 3>(p, buf, stream);
     if (named("32x4s3")) return launch<kMode, 64, 32, 4, 3>(p, buf, stream);
-    return launch<kMode, 64, 64, 4, 2>(p, buf, stream);  // "64x4s2": 2 blocks per SM
+    return launch<kMode, 64, 64, 8, 3>(p, buf, stream);  // "64x8s3"
   }
   if (named("32x4s2")) return launch<kMode, 128, 32, 4, 2>(p, buf, stream);
   if (named("16x8s3")) return launch<kMode, 128, 16, 8, 3>(p, buf, stream);
@@ -414,8 +416,8 @@ cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStrea
 }
 
 // Serves fp32 with D, Dv <= 128; returns cudaErrorNotSupported otherwise (the caller
-// falls back to the generic kernel). D <= 64: two blocks of 4 warps per SM (104 KB
-// of shared memory each); D <= 128: one block of 8 warps (203 KB).
+// falls back to the generic kernel). Both defaults run one block of 8 warps per SM
+// (D <= 64: 174 KB of shared memory, 3 K/V stages; D <= 128: 203 KB, 2 stages).
 inline cudaError_t launch_forward_fast_f32(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                            Fp32Mode mode, cudaStream_t stream) {
   const int64_t d = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;

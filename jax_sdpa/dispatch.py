@@ -292,12 +292,14 @@ def _cuda_flash_preferred(cfg: Config) -> bool:
     """Whether `implementation=None` should run our CUDA flash kernels on a call that
     cuDNN cannot serve (asked only then), rather than xla / xla_chunked.
 
-    Measured on the H200 (benchmarks, fwd): fp32 SD3 B2 H38 L4250 D64 ours 37 vs xla 41
-    TFLOP/s but 1.2 MiB vs 10.2 GiB of temporaries; D512 bf16 causal L4096 ours 30 vs xla
-    129 TFLOP/s. So for now: fp32 at head dims <= 128 (about as fast, O(L) memory), and
-    16-bit at head dims > 256 only where xla would materialize more scores than
+    Measured on the H200 (2026-11-30, benchmarks/results/flash_tc_*): fp32 SD3 B2 H38
+    L4250 D64 ours 93 / 86 TFLOP/s fwd / fwd+bwd vs xla 41 / 51, 1.2 MiB / 78 MiB vs
+    10.2 / 15.3 GiB of temporaries; fp32 B1 H16 L8192 D128 ours 117 / 101 vs xla 107 / 127
+    (xla's backward is faster there, with 12 GiB of scores: we keep O(L) memory). 16-bit at
+    head dims > 256 (the generic kernel): D512 bf16 causal L4096 ours 30 / 11 vs xla
+    127 / 179, so only where xla would materialize more scores than
     XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
-    `_cuda_decode_wins`, own those). The kernels are being sped up: retune after measuring.
+    `_cuda_decode_wins`, own those).
     """
     if cfg.is_decode:
         return False
