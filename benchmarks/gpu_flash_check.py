@@ -195,6 +195,16 @@ def cases():
         ]
     out.append(dict(name="bf16 D512 B1 H4 L600 causal kvlen", dt="bf16", B=1, Hq=4, Hk=4,
                     Lq=600, Lk=600, D=512, Dv=512, wr=0, kvlen="rand"))
+    for dt in ("fp16", "bf16"):  # the wide-head kernel (D, Dv in (256, 512]) with every feature
+        out += [
+            dict(name=f"{dt} D512 wide: bool mask [B,1,Lq,Lk] + sinks [B,Hq]", dt=dt, B=2, Hq=4,
+                 Hk=2, Lq=100, Lk=150, D=512, Dv=512, mask="bool_b1", sinks="batch"),
+            dict(name=f"{dt} D384/Dv264 wide: additive f32 with -inf, window 37/5", dt=dt, B=1,
+                 Hq=4, Hk=1, Lq=70, Lk=99, D=384, Dv=264, mask="add_f32", wl=37, wr=5),
+            dict(name=f"{dt} D512 wide: seq_major qlen 0 row + kvlen, top-left causal", dt=dt,
+                 B=2, Hq=2, Hk=2, Lq=131, Lk=97, D=512, Dv=512, seq_major=True, qlen="zero1",
+                 kvlen="rand", wr=0, bottom_right=False),
+        ]
     out.append(dict(name="fp32 D512 B1 H2 L300 sinks", dt="fp32", B=1, Hq=2, Hk=2, Lq=300,
                     Lk=300, D=512, Dv=512, sinks=True))
     return out

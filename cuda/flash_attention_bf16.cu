@@ -1,11 +1,19 @@
 // bf16 instantiations of the flash forward + backward kernels (see flash_attention.cuh).
 #include "cuda/flash_attention_bwd.cuh"
+#include "cuda/flash_fwd_wide.cuh"
+
+#include <cstdlib>
 
 namespace jax_sdpa {
 namespace cuda_flash {
 
 cudaError_t launch_forward_bf16(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                cudaStream_t stream) {
+  // Head dims in (256, 512]: the wide-head kernel (flash_fwd_wide.cuh).
+  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+    const cudaError_t e = wide::launch_forward_wide<__nv_bfloat16>(p, buf, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
   return p.head_dim_v > 64 ? launch_fwd_t<__nv_bfloat16, 0, 128>(p, buf, stream)
                            : launch_fwd_t<__nv_bfloat16, 0, 64>(p, buf, stream);
 }
