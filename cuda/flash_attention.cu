@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cuda/flash_attention.h"
+#include "cuda/flash_bwd_wide.h"
 
 namespace jax_sdpa {
 namespace cuda_flash {
@@ -34,11 +35,15 @@ cudaError_t launch_forward(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32M
 
 size_t backward_scratch_bytes(const SdpaParams& p) {
   const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.len_q);
-  return (rows * sizeof(float) + 15) / 16 * 16;
+  // delta, then (16-bit, 256 < D, Dv <= 512) the wide backward's fp32 dq accumulator, 16-byte
+  // aligned right after it (backward_wide_accum in cuda/flash_bwd_wide.cu finds it there).
+  return (rows * sizeof(float) + 15) / 16 * 16 + backward_wide_accum_bytes(p);
 }
 
 cudaError_t launch_backward(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32Mode mode,
                             void* scratch, cudaStream_t stream) {
+  // scratch = [delta][wide dq accumulator, where backward_wide_applies(p)]: the 16-bit
+  // launchers find the accumulator with backward_wide_accum(p, delta).
   float* delta = static_cast<float*>(scratch);
   switch (p.dtype) {
     case DType::kF32: return launch_backward_f32(p, buf, mode, delta, stream);

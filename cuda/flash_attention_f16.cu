@@ -1,5 +1,6 @@
 // f16 instantiations of the flash forward + backward kernels (see flash_attention.cuh).
 #include "cuda/flash_attention_bwd.cuh"
+#include "cuda/flash_bwd_wide.h"
 #include "cuda/flash_fwd_wide.cuh"
 
 #include <cstdlib>
@@ -20,6 +21,11 @@ cudaError_t launch_forward_f16(const SdpaParams& p, const SdpaFwdBuffers& buf,
 
 cudaError_t launch_backward_f16(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
                                  cudaStream_t stream) {
+  // Head dims in (256, 512]: the wide-head backward (flash_bwd_wide.cuh).
+  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+    const cudaError_t e = launch_backward_wide(p, buf, delta, backward_wide_accum(p, delta), stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
   return launch_bwd_t<__half, 0>(p, buf, delta, stream);
 }
 
