@@ -296,8 +296,8 @@ def _cuda_flash_preferred(cfg: Config) -> bool:
     L4250 D64 ours 93 / 86 TFLOP/s fwd / fwd+bwd vs xla 41 / 51, 1.2 MiB / 78 MiB vs
     10.2 / 15.3 GiB of temporaries; fp32 B1 H16 L8192 D128 ours 117 / 101 vs xla 107 / 127
     (xla's backward is faster there, with 12 GiB of scores: we keep O(L) memory). 16-bit at
-    head dims > 256 (the generic kernel): D512 bf16 causal L4096 ours 30 / 11 vs xla
-    127 / 179, so only where xla would materialize more scores than
+    head dims > 256 (the wide-head kernels): D512 bf16 causal L4096 ours 119 / 94 vs xla
+    132 / 173, so only where xla would materialize more scores than
     XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
     `_cuda_decode_wins`, own those).
     """
