@@ -30,6 +30,7 @@
 
 #include "cuda/flash_attention.h"
 #include "cuda/device_helpers.cuh"
+#include "cuda/mma_helpers.cuh"
 #include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
@@ -72,27 +73,22 @@ using cuda_common::cp_async_wait;
 using cuda_common::from_float;
 using cuda_common::pack2;
 using cuda_common::to_float;
-
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
+using cuda_common::cp_async4;
+using cuda_common::fast_exp2;
+using cuda_common::ldmatrix_x4;
+using cuda_common::ldmatrix_x4_ordered;
+using cuda_common::ldmatrix_x4_trans;
+using cuda_common::ldmatrix_x4_trans_ordered;
+using cuda_common::mma16816;
+using cuda_common::mma_tf32;
+using cuda_common::round_tf32;
+using cuda_common::to_tf32;
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
   const uint32_t a = *reinterpret_cast<const uint16_t*>(&lo);
   const uint32_t b = *reinterpret_cast<const uint16_t*>(&hi);
   return a | (b << 16);
-}
-
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 template <typename T>

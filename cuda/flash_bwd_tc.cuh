@@ -71,21 +71,6 @@ struct Cfg {
   static_assert(kOffS % 4 == 0 && kOffL % 4 == 0 && kOffDl % 4 == 0, "16-byte alignment");
 };
 
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(pred ? 4 : 0)
-               : "memory");
-}
-
 // Rows [0, kRows) x columns [0, kD) of a global fp32 matrix -> smem (row stride SK floats);
 // rows >= valid_rows and columns >= valid_cols are zero-filled. 16-byte chunks; chunk x of
 // the tile always goes to thread x % kThreads (round_own relies on that).
@@ -213,17 +198,6 @@ constexpr int kVarLdsm = 2;
 constexpr int kVarKreg = 4;
 constexpr int kVarVreg = 8;
 
-// ldmatrix.x4 of b16 pairs: lanes 8i..8i+7 give the row addresses of matrix i; register i
-// of lane (g = lane / 4, t = lane % 4) gets float [row g][col t] of matrix i (an 8 x 4-float
-// tile = a tf32 fragment piece). volatile as in flash_fwd_tc.cuh (kept in order with the
-// barriers and the shared stores).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const float* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
 // A fragments (16 rows at sA, row stride kD + 4, k-steps kk) for all kk: regs[kk][0..3].
 // Matrix i = lane / 8: rows (i & 1) * 8 + lane % 8, cols (i >> 1) * 4 -> a0 (g,t), a1 (g+8,t),
 // a2 (g,t+4), a3 (g+8,t+4).
@@ -233,7 +207,7 @@ __device__ __forceinline__ void load_a_frags(uint32_t (&regs)[kD / 8][4], const 
   const int lane = threadIdx.x % 32, lrow = lane & 7, lmat = lane >> 3;
   const float* pa = sA + (lrow + (lmat & 1) * 8) * SK + (lmat >> 1) * 4;
 #pragma unroll
-  for (int kk = 0; kk < kD / 8; ++kk) ldsm_x4(regs[kk], pa + kk * 8);
+  for (int kk = 0; kk < kD / 8; ++kk) ldmatrix_x4(regs[kk], pa + kk * 8);
 }
 
 // warp_abT with ldmatrix: A from areg (kAreg) or sA; B = rows of sB: matrix i = lane / 8
@@ -256,7 +230,7 @@ __device__ __forceinline__ void warp_abT_ldsm(float (&acc)[kBr / 8][4], const fl
 #pragma unroll
         for (int i = 0; i < 4; ++i) ar[i] = areg[kk][i];
       } else {
-        ldsm_x4(ar, pa + kk * 8);
+        ldmatrix_x4(ar, pa + kk * 8);
       }
       AFrag<kMode> a;
       make_a<kMode>(a, __uint_as_float(ar[0]), __uint_as_float(ar[1]), __uint_as_float(ar[2]),
@@ -264,7 +238,7 @@ __device__ __forceinline__ void warp_abT_ldsm(float (&acc)[kBr / 8][4], const fl
 #pragma unroll
       for (int n2 = 0; n2 < kBr / 16; ++n2) {
         uint32_t br[4];
-        ldsm_x4(br, pb + n2 * 16 * SK + kk * 8);
+        ldmatrix_x4(br, pb + n2 * 16 * SK + kk * 8);
         mma_ab<kMode>(acc[2 * n2], a, __uint_as_float(br[0]), __uint_as_float(br[1]));
         mma_ab<kMode>(acc[2 * n2 + 1], a, __uint_as_float(br[2]), __uint_as_float(br[3]));
       }
@@ -441,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
           const float dl = (e & 1) ? d2.y : d2.x;
           float p;
           if (full) {
-            p = ex2_approx(fmaf(s[n][e], a.scale_log2, -lse2));
+            p = fast_exp2(fmaf(s[n][e], a.scale_log2, -lse2));
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
             const int j = k0 + warp * 16 + g + (e >> 1) * 8;
@@ -453,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
             }
             float x = s[n][e] * f.scale;
             if (vis) x += mask_value(f, b, h, i, j, &vis);
-            p = vis ? ex2_approx(fmaf(x, kLog2e, -lse2)) : 0.f;
+            p = vis ? fast_exp2(fmaf(x, kLog2e, -lse2)) : 0.f;
           }
           const float ds = p * (dp[n][e] - dl);
           s[n][e] = kMode == 1 ? round_tf32(p) : p;
@@ -508,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
                 AFrag<kMode> af;  // TF32 mode: dS was stored rounded
                 if constexpr (kLdsm) {
                   uint32_t ar[4];
-                  ldsm_x4(ar, pl + kb * 8);
+                  ldmatrix_x4(ar, pl + kb * 8);
                   make_a<kMode>(af, __uint_as_float(ar[0]), __uint_as_float(ar[1]),
                                 __uint_as_float(ar[2]), __uint_as_float(ar[3]));
                 } else {

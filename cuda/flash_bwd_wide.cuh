@@ -84,54 +84,6 @@ struct Args {
   float scale_log2;  // scale * log2(e)
 };
 
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1);
-template <>
-__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                                 uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                        uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t s) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t s) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(pred ? 4 : 0)
-               : "memory");
-}
-
 // 32 rows x kD elements from global (row stride gstride) into shared rows of kStride;
 // rows >= valid_rows and columns >= valid_cols (a multiple of 8) are zero-filled.
 template <typename T>
@@ -164,11 +116,11 @@ __device__ __forceinline__ void partial_abT(float (&acc)[kBr / 8][4], uint32_t A
 #pragma unroll
   for (int kk = 0; kk < kQuarter; kk += 16) {
     uint32_t af[4];
-    ldsm_x4(af, ap + kk * 2);
+    ldmatrix_x4_ordered(af, ap + kk * 2);
 #pragma unroll
     for (int n2 = 0; n2 < kBr / 16; ++n2) {
       uint32_t bf[4];
-      ldsm_x4(bf, bp + (n2 * 16 * kStride + kk) * 2);
+      ldmatrix_x4_ordered(bf, bp + (n2 * 16 * kStride + kk) * 2);
       mma16816<T>(acc[2 * n2], af, bf[0], bf[1]);
       mma16816<T>(acc[2 * n2 + 1], af, bf[2], bf[3]);
     }
@@ -188,7 +140,7 @@ __device__ __forceinline__ void acc_aB(float (&acc)[kQuarter / 8][4],
 #pragma unroll
     for (int n2 = 0; n2 < kQuarter / 16; ++n2) {
       uint32_t bf[4];
-      ldsm_x4_trans(bf, bp + (ks * 16 * kStride + n2 * 16) * 2);
+      ldmatrix_x4_trans_ordered(bf, bp + (ks * 16 * kStride + n2 * 16) * 2);
       mma16816<T>(acc[2 * n2], af[ks], bf[0], bf[1]);
       mma16816<T>(acc[2 * n2 + 1], af[ks], bf[2], bf[3]);
     }
@@ -362,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
           const float dl = (e & 1) ? d2.y : d2.x;
           float p, ds;
           if (full) {
-            p = ex2(fmaf(s[n][e], a.scale_log2, -lse2));
+            p = fast_exp2(fmaf(s[n][e], a.scale_log2, -lse2));
             ds = p * (dp[n][e] - dl);
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
@@ -375,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
             }
             float x = s[n][e] * f.scale;
             if (vis) x += mask_value(f, b, h, i, j, &vis);
-            p = vis ? ex2(fmaf(x, kLog2e, -lse2)) : 0.f;
+            p = vis ? fast_exp2(fmaf(x, kLog2e, -lse2)) : 0.f;
             ds = vis ? p * (dp[n][e] - dl) : 0.f;
           }
           pv[e] = p;
@@ -422,11 +374,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
 #pragma unroll
           for (int ks = 0; ks < kBc / 16; ++ks) {
             uint32_t af[4];
-            ldsm_x4(af, dsp + (mt * 16 * kSdS + ks * 16) * 2);
+            ldmatrix_x4_ordered(af, dsp + (mt * 16 * kSdS + ks * 16) * 2);
 #pragma unroll
             for (int n2 = 0; n2 < 2; ++n2) {
               uint32_t bf[4];
-              ldsm_x4_trans(bf, kp + (ks * 16 * kStride + nh * 32 + n2 * 16) * 2);
+              ldmatrix_x4_trans_ordered(bf, kp + (ks * 16 * kStride + nh * 32 + n2 * 16) * 2);
               mma16816<T>(acc[2 * n2], af, bf[0], bf[1]);
               mma16816<T>(acc[2 * n2 + 1], af, bf[2], bf[3]);
             }

@@ -31,22 +31,6 @@ namespace tc {
 
 // A block has kWarps warps of 32 query rows each (kBM = 32 * kWarps rows).
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
-
-// 2^x on the SFU (flush-to-zero; exp2(-inf) = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // rows x kCols floats from global (row stride gstride) into shared (row stride
 // kCols + 4); rows >= valid_rows and columns >= valid_cols are zero. Thread x
 // copies 16-byte chunks x, x + kThreads, ...: round_own_chunks walks the same chunks.

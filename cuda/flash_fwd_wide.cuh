@@ -28,47 +28,6 @@ constexpr int kD = 512;          // padded head dim (D and Dv)
 constexpr int kHalf = kD / 2;    // columns per warp of a pair
 constexpr int kStride = kD + 8;  // elements per shared row (1040 bytes: 16-byte aligned)
 
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1);
-template <>
-__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                                 uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                        uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // kRows x kD elements from global (row stride gstride) into shared rows of kStride;
 // rows >= valid_rows and columns >= valid_cols are zero.
 template <typename T, int kRows>
@@ -186,11 +145,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
 #pragma unroll 4
     for (int kk = 0; kk < kHalf; kk += 16) {
       uint32_t qa[4];
-      ldsm_x4(qa, q_frag + kk);
+      ldmatrix_x4(qa, q_frag + kk);
 #pragma unroll
       for (int n2 = 0; n2 < kNT / 2; ++n2) {
         uint32_t kf[4];
-        ldsm_x4(kf, sKs + n2 * 16 * kStride + k_frag_off + kk);
+        ldmatrix_x4(kf, sKs + n2 * 16 * kStride + k_frag_off + kk);
         mma16816<T>(s[2 * n2], qa, kf[0], kf[1]);
         mma16816<T>(s[2 * n2 + 1], qa, kf[2], kf[3]);
       }
@@ -241,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
       mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
       mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
       const float mu = mnew[r] == -INFINITY ? 0.f : mnew[r];
-      alpha[r] = ex2(m[r] - mu);
+      alpha[r] = fast_exp2(m[r] - mu);
       m[r] = mnew[r];
       mnew[r] = mu;
       l[r] *= alpha[r];
@@ -249,8 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
     uint32_t pa[kNT / 2][4];  // P as A fragments, one per 16-key step
 #pragma unroll
     for (int n = 0; n < kNT; ++n) {
-      const float p0 = ex2(s[n][0] - mnew[0]), p1 = ex2(s[n][1] - mnew[0]);
-      const float p2 = ex2(s[n][2] - mnew[1]), p3 = ex2(s[n][3] - mnew[1]);
+      const float p0 = fast_exp2(s[n][0] - mnew[0]), p1 = fast_exp2(s[n][1] - mnew[0]);
+      const float p2 = fast_exp2(s[n][2] - mnew[1]), p3 = fast_exp2(s[n][3] - mnew[1]);
       l[0] += p0 + p1;
       l[1] += p2 + p3;
       pa[n / 2][(n & 1) * 2 + 0] = pack2<T>(p0, p1);
@@ -270,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
 #pragma unroll
       for (int n2 = 0; n2 < kOT / 2; ++n2) {
         uint32_t vf[4];
-        ldsm_x4_trans(vf, sVs + ks * 16 * kStride + v_frag_off + n2 * 16);
+        ldmatrix_x4_trans(vf, sVs + ks * 16 * kStride + v_frag_off + n2 * 16);
         mma16816<T>(acc[2 * n2], pa[ks], vf[0], vf[1]);
         mma16816<T>(acc[2 * n2 + 1], pa[ks], vf[2], vf[3]);
       }
