@@ -17,13 +17,15 @@ materializes the attention weights (and is therefore only chosen when needed):
   Bernoulli draws as Flax's own for the same `dropout_rng`, so the results are Flax's;
 - `module=` (Flax sows the attention weights into the module's intermediates);
 - custom einsums (`qk_attn_weights_einsum`/`attn_weights_value_einsum`, `einsum_dot_general`);
-- a non-default `precision` off CPU (XLA:CPU multiplies float32 exactly anyway; on GPUs the
-  fused kernels' precision is that of `jax.default_matmul_precision`).
+- a non-default `precision` other than HIGHEST off CPU (XLA:CPU multiplies float32 exactly
+  anyway). `precision=HIGHEST` runs fused, in the kernels' full-float32 mode (as under
+  `jax.default_matmul_precision("highest")`: the fp32_precision attribute).
 With a named fused `implementation` those cases raise `NotImplementedError` instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional
 
@@ -54,6 +56,16 @@ def _precision_is_default(precision) -> bool:
     if isinstance(precision, str):
         return precision.lower() in ("default", "bfloat16", "fastest")
     return precision == jax.lax.Precision.DEFAULT
+
+
+def _precision_is_highest(precision) -> bool:
+    """Flax's precision asks for full float32 accuracy (what the fused kernels give under
+    `jax.default_matmul_precision("highest")`: the fp32_precision attribute)."""
+    if isinstance(precision, (tuple, list)):
+        return bool(precision) and all(_precision_is_highest(p) for p in precision)
+    if isinstance(precision, str):
+        return precision.lower() in ("highest", "float32")
+    return precision == jax.lax.Precision.HIGHEST
 
 
 def _dropout_active(dropout_rate, deterministic) -> bool:
@@ -186,8 +198,14 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
         reasons.append("module= (sowing the attention weights)")
     if qk_attn_weights_einsum is not None or einsum_dot_general is not None:
         reasons.append("custom einsums")
+    # precision: XLA:CPU multiplies float32 exactly anyway; elsewhere HIGHEST runs the fused
+    # kernels in their full-accuracy mode, other non-default precisions the exact path.
+    fp32_exact = False
     if not _precision_is_default(precision) and api._trace_platform() != "cpu":
-        reasons.append(f"precision={precision!r}")
+        if _precision_is_highest(precision):
+            fp32_exact = True
+        else:
+            reasons.append(f"precision={precision!r}")
     if reasons:
         if implementation not in _EXACT_OK:
             raise NotImplementedError(
@@ -207,8 +225,11 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
             bias = bias.astype(jnp.promote_types(dtype, jnp.float32))
         bias4 = _to_4d(bias, batch_shape, "bias")
     mask4 = None if mask is None else _to_4d(_bool_mask(mask), batch_shape, "mask")
-    out = api.dot_product_attention(q4, k4, v4, bias=bias4, mask=mask4, is_causal=is_causal,
-                                    implementation=implementation, sinks=sinks)
+    with (jax.default_matmul_precision("highest") if fp32_exact
+          else contextlib.nullcontext()):
+        out = api.dot_product_attention(q4, k4, v4, bias=bias4, mask=mask4,
+                                        is_causal=is_causal, implementation=implementation,
+                                        sinks=sinks)
     return out.reshape(batch_shape + out.shape[1:])
 
 

@@ -307,3 +307,43 @@ def test_jax_sdpa_is_really_used():
     assert "jax_sdpa_fwd" in jaxpr
     assert jax_sdpa.explain(jnp.ones((1, 2, 4, 4)), jnp.ones((1, 2, 4, 4)),
                             jnp.ones((1, 2, 4, 4))).chosen in jax_sdpa.IMPLEMENTATIONS
+
+
+# --------------------------------------------------------------------------
+# precision
+
+
+def test_precision_highest_runs_fused_in_full_fp32_mode(monkeypatch):
+    """Off CPU, Flax's precision=HIGHEST keeps the fused path and asks the kernels for full
+    float32 accuracy (fp32_precision = 1 on the custom call); HIGH still takes the exact
+    path; the default precision leaves the attribute at 0. The trace platform is faked
+    (a GPU's decision), the lowering is this machine's."""
+    import re
+
+    from jax_sdpa import api
+
+    if not _ext.has_backend("cpu"):
+        pytest.skip("needs the native CPU kernel (its custom call carries the attribute)")
+    monkeypatch.setattr(api, "_trace_platform", lambda: "cuda")
+    ks = jax.random.split(jax.random.key(_seed()), 3)
+    q, k, v = (jax.random.normal(x, (2, 9, 4, 16)) for x in ks)
+
+    def lowered(precision):
+        fn = make_attention_fn(implementation=None)
+        f = jax.jit(lambda q, k, v: fn(q, k, v, precision=precision))
+        return f.lower(q, k, v).as_text()
+
+    def attrs(text):
+        return [int(m) for m in re.findall(r"fp32_precision = (\d+) : i64", text)]
+
+    assert attrs(lowered(jax.lax.Precision.HIGHEST)) == [1]
+    assert attrs(lowered("highest")) == [1]
+    assert attrs(lowered(None)) == [0]
+    assert attrs(lowered(jax.lax.Precision.HIGH)) == []  # exact XLA path, no custom call
+    with pytest.raises(NotImplementedError, match="precision"):
+        make_attention_fn(implementation="cpu")(q, k, v, precision=jax.lax.Precision.HIGH)
+    # and the numbers are Flax's
+    want = nn.dot_product_attention(q, k, v, precision=jax.lax.Precision.HIGHEST)
+    _close(jax.jit(lambda q, k, v: make_attention_fn()(q, k, v,
+                                                       precision=jax.lax.Precision.HIGHEST))(
+        q, k, v), want)
