@@ -10,6 +10,13 @@ package's `jax_sdpa._sdpa_cuda` registrations. Sections (--only):
   bench      PEERS.md decode rows + fp32 + B64 rows: ours vs jax.nn xla / cudnn, GB/s,
              fraction of the measured device copy bandwidth
   crossover  ours vs jax.nn cudnn over batch, keys and queries per kv head
+  v2         (not in the default set) decode v2 draft (JAX_SDPA_CUDA_DECODE_V2=1, read per
+             call): first a child process runs `v2check` (the correctness matrix with the
+             knob on, poisoned outputs, + quick passes with the separate combine and with
+             pinned grids), then the target rows are timed with the knob off (current
+             kernels) and on (v2, auto / kernel / fused combine) in this process, outputs
+             compared against the current kernel (max rel diff, > 1e-2 flagged):
+             python3 -P benchmarks/gpu_decode.py --module --only v2
   sweep      (not in the default set) the target rows under a few settings of the
              per-call knobs JAX_SDPA_CUDA_DECODE_{CFG,SPLITS,COMBINE} (read by the
              host launcher on every call, so one process times them all, < 60 s):
@@ -522,6 +529,103 @@ def run_sweep(copy_bw, budget_s=55.0):
     return out
 
 
+# Decode v2 draft (cuda/decode_v2.*): target rows (name, dt, B, Hq, Hk, Lk, D, seq_major,
+# target GB/s) and the knob settings timed on each. {} = the current kernels.
+V2_ROWS = [
+    ("B8 H32/KV8 Lk8192 D128", "bf16", 8, 32, 8, 8192, 128, False, 3900),
+    ("B8 H32/KV8 Lk8192 D128 seq_major", "bf16", 8, 32, 8, 8192, 128, True, 3900),
+    ("B1 H32/KV8 Lk32768 D128", "bf16", 1, 32, 8, 32768, 128, False, 3800),
+    ("B1 H32/KV4 Lk8192 D512", "bf16", 1, 32, 4, 8192, 512, False, 3600),
+    ("B64 H32/KV8 Lk2048 D128", "bf16", 64, 32, 8, 2048, 128, False, 3339),
+    ("B1 H32/KV4 Lk1024 D512 fp16", "fp16", 1, 32, 4, 1024, 512, False, None),
+]
+V2_SETTINGS = [{}, {"V2": "1"}, {"V2": "1", "V2_COMBINE": "kernel"},
+               {"V2": "1", "V2_COMBINE": "fused"}]
+V2_KNOBS = ("V2", "V2_COMBINE", "V2_CTAS")
+
+
+def _set_knobs(st):
+    for kn in V2_KNOBS:
+        os.environ.pop(KNOB + kn, None)
+    for kn, val in st.items():
+        os.environ[KNOB + kn] = val
+
+
+def run_v2check():
+    """The correctness matrix with JAX_SDPA_CUDA_DECODE_V2=1 (cases v2 does not serve run
+    the current kernels: the verbose plan lines on stderr say which ran), then quick
+    passes with the separate combine kernel and with pinned grids (5 CTAs: ranges span
+    several units; 100000: clamped to one tile per CTA, many splits per unit)."""
+    os.environ[KNOB + "VERBOSE"] = "1"
+    out = {}
+    for label, st in (("auto", {"V2": "1"}),
+                      ("combine_kernel", {"V2": "1", "V2_COMBINE": "kernel"}),
+                      ("ctas5", {"V2": "1", "V2_CTAS": "5"}),
+                      ("ctas_max", {"V2": "1", "V2_CTAS": "100000", "V2_COMBINE": "fused"})):
+        _set_knobs(st)
+        print(f"== v2check {label}: {st}", flush=True)
+        out[label] = run_check(quick=label != "auto")
+    _set_knobs({})
+    os.environ.pop(KNOB + "VERBOSE", None)
+    return out
+
+
+def run_v2(copy_bw, budget_s=90.0):
+    """Times the current kernels and v2 on V2_ROWS (knobs read per call: one executable
+    per row), compares each v2 output with the current kernel's."""
+    os.environ[KNOB + "VERBOSE"] = "1"
+    out = []
+    t_start = time.time()
+    for (name, dt, B, Hq, Hk, Lk, D, seq_major, target) in V2_ROWS:
+        q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D)
+        if seq_major:
+            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        esz = jnp.dtype(DTYPES[dt]).itemsize
+        nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
+        K = int(min(32, max(8, 2e-3 / (nbytes / 3.0e12 + 8e-6))))
+        f = _loop_fn(lambda q_, k_, v_: ours(q_, k_, v_, seq_major=seq_major)[0], K)
+        one = jax.jit(lambda q_, k_, v_: ours(q_, k_, v_, seq_major=seq_major))
+        ref = None
+        rows = []
+        for st in V2_SETTINGS:
+            if time.time() - t_start > budget_s:
+                print(f"v2: budget {budget_s:.0f}s spent, skipping the rest", flush=True)
+                break
+            _set_knobs(st)
+            label = ",".join(f"{kn}={val}" for kn, val in st.items()) or "current"
+            try:
+                o, l = (np.asarray(x.astype(jnp.float32), np.float64) for x in one(q, k, v))
+                if ref is None:
+                    ref = (o, l)
+                fin = np.isfinite(o).all() and not np.isnan(l).any()
+                rel = float(np.max(np.abs(o - ref[0])) / max(np.max(np.abs(ref[0])), 1e-30))
+                lse_d = float(np.max(np.abs(l - ref[1])))
+                agree = bool(fin and rel <= 1e-2 and lse_d <= 1e-3)
+                t = _time_compiled(f, (q, k, v), K, reps=5)
+                rec = dict(setting=label, us=t * 1e6, GBps=nbytes / t / 1e9,
+                           frac_copy=nbytes / t / copy_bw, agrees_with_current=agree,
+                           max_rel_vs_current=rel, lse_vs_current=lse_d)
+                tgt = f" target {target}" if target else ""
+                print(f"v2 {name:<34} {label:<22} {rec['GBps']:6.0f} GB/s {rec['us']:7.1f} us "
+                      f"({rec['frac_copy']:.2f}){tgt} {'agrees' if agree else 'DIFFERS'} "
+                      f"maxrel {rel:.1e} lse {lse_d:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                rec = dict(setting=label, error=str(e).splitlines()[0][:160] if str(e) else "?")
+                print(f"v2 {name:<34} {label:<22} ERR {rec['error'][:80]}", flush=True)
+            rows.append(rec)
+        _set_knobs({})
+        cur = rows[0].get("GBps") if rows else None
+        ok = [r for r in rows[1:] if "GBps" in r and r["agrees_with_current"]]
+        if ok and cur:
+            best = max(ok, key=lambda r: r["GBps"])
+            print(f"v2 best {name:<29} {best['setting']:<22} {best['GBps']:.0f} GB/s "
+                  f"(current {cur:.0f}, x{best['GBps'] / cur:.2f})", flush=True)
+        out.append(dict(case=name, dtype=dt, B=B, Hq=Hq, Hk=Hk, Lk=Lk, D=D, seq_major=seq_major,
+                        target_GBps=target, bytes=nbytes, K=K, results=rows))
+    os.environ.pop(KNOB + "VERBOSE", None)
+    return out
+
+
 def run_crossover():
     pts = []
     grid = [(B, Lk, 1) for B in (1, 8, 32, 128) for Lk in (512, 4096)]
@@ -581,7 +685,20 @@ def main():
     ap.add_argument("--rows", default="", help="bench row indices, e.g. 0,2")
     ap.add_argument("--tag", default="", help="added to the JSON file name")
     args = ap.parse_args()
-    if "sweep" in only_arg(args) and not _POISON_GIVEN:
+    if "v2" in only_arg(args):
+        # The correctness pass needs poisoned outputs (read once per process): a child.
+        cmd = [sys.executable, "-P", os.path.abspath(__file__), "--only", "v2check",
+               "--out", args.out] + (["--module"] if args.module else ["--lib", args.lib])
+        env = dict(os.environ)
+        if not _POISON_GIVEN:
+            env["JAX_SDPA_POISON_OUTPUTS"] = "1"
+        print("v2: correctness child:", " ".join(cmd), flush=True)
+        try:
+            v2check_rc = subprocess.run(cmd, env=env, timeout=400).returncode
+        except subprocess.TimeoutExpired:
+            v2check_rc = 124
+        print(f"v2: correctness child rc={v2check_rc}", flush=True)
+    if ("sweep" in only_arg(args) or "v2" in only_arg(args)) and not _POISON_GIVEN:
         os.environ["JAX_SDPA_POISON_OUTPUTS"] = "0"  # before the first call reads it
     src = register(args.lib, args.module)
     info = env_info()
@@ -602,7 +719,11 @@ def main():
         result["check"] = run_check(quick=args.quick)
         save()
         print(f"[check took {time.time() - t0:.0f}s]", flush=True)
-    if "bench" in only or "crossover" in only or "sweep" in only:
+    if "v2check" in only:
+        result["v2check"] = run_v2check()
+        save()
+        print(f"[v2check took {time.time() - t0:.0f}s]", flush=True)
+    if "bench" in only or "crossover" in only or "sweep" in only or "v2" in only:
         bw = copy_bandwidth()
         result["copy_bandwidth_GBps"] = bw / 1e9
         print(f"device copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
@@ -617,6 +738,10 @@ def main():
         result["sweep"] = run_sweep(result["copy_bandwidth_GBps"] * 1e9)
         save()
         print(f"[sweep done at {time.time() - t0:.0f}s]", flush=True)
+    if "v2" in only:
+        result["v2"] = run_v2(result["copy_bandwidth_GBps"] * 1e9)
+        save()
+        print(f"[v2 done at {time.time() - t0:.0f}s]", flush=True)
     if "crossover" in only:
         result["crossover"] = run_crossover()
         save()
@@ -624,6 +749,12 @@ def main():
     save()
     print("wrote", path, flush=True)
     failed = [r["case"] for r in result.get("check", []) if not r["ok"]]
+    for label, recs in result.get("v2check", {}).items():
+        failed += [f"v2check {label}: {r['case']}" for r in recs if not r["ok"]]
+    failed += [f"v2 {r['case']} {x['setting']}" for r in result.get("v2", [])
+               for x in r["results"] if not x.get("agrees_with_current", "error" not in x)]
+    if "v2" in only and v2check_rc != 0:
+        failed.append(f"v2check child rc={v2check_rc}")
     if failed:
         print("FAILED:", failed, flush=True)
         sys.exit(1)

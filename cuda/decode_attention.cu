@@ -12,6 +12,7 @@
 
 #include "decode_attention.h"
 #include "decode_attention_kernels.h"
+#include "decode_v2.h"
 
 namespace jax_sdpa {
 namespace cuda_decode {
@@ -232,6 +233,16 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
     const size_t l_bytes = static_cast<size_t>(n) * rows * sizeof(float);
     plan->scratch_bytes = (o_bytes + 255) / 256 * 256 + (l_bytes + 255) / 256 * 256;
   }
+  // Decode v2 draft, opt-in per call (JAX_SDPA_CUDA_DECODE_V2=1): size the scratch for
+  // it too; launch() runs it and falls back here when it does not serve the call.
+  if (v2::enabled()) {
+    const size_t v2_bytes = v2::scratch_bytes(p, device);
+    if (v2_bytes > 0) {
+      plan->v2 = true;
+      plan->v2_counters = f.counters;
+      plan->scratch_bytes = std::max(plan->scratch_bytes, v2_bytes);
+    }
+  }
   if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
     char line[320];
     std::snprintf(line, sizeof(line),
@@ -259,6 +270,14 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
                    void* scratch, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (rows == 0) return cudaSuccess;
+  // Decode v2 draft (off unless JAX_SDPA_CUDA_DECODE_V2=1; docs/cuda_decode.md): runs the
+  // call when it serves it, else the current kernels below do.
+  if (plan.v2 && v2::enabled()) {
+    bool served = false;
+    cudaError_t e2 = v2::launch(p, buf, scratch, plan.scratch_bytes, plan.v2_counters,
+                                kMaxCounters, stream, &served);
+    if (served) return e2;
+  }
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
                                plan.warps, plan.stages);
   if (k.func == nullptr || (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))

@@ -33,6 +33,11 @@ struct DecodePlan {
   bool fused_combine = false;  // last split block merges (no combine launch)
   int* counters = nullptr;     // the device's split counters when fused
   size_t scratch_bytes = 0; // split-K partials (0 when num_splits == 1)
+  // Decode v2 draft (JAX_SDPA_CUDA_DECODE_V2=1 only; cuda/decode_v2.h): the plan
+  // was sized for it too (scratch_bytes >= its partials), `v2_counters` are the
+  // device's self-resetting counters for its fused combine.
+  bool v2 = false;
+  int* v2_counters = nullptr;
 };
 
 // Empty when our kernels can serve `p`, else why not (shown to the user).
