@@ -44,6 +44,17 @@ def _check_float(x, name):
                         f"float64), got {x.dtype}")
 
 
+def _check_sinks(sinks, heads, dim):
+    """sinks of shape (heads,) (`dim` names that axis in messages) as float32 [1, heads]."""
+    if sinks is None:
+        return None
+    sinks = _as_array(sinks, "sinks")
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks must have shape ({dim},) = ({heads},), got {sinks.shape}")
+    _check_float(sinks, "sinks")
+    return sinks.astype(jnp.float32).reshape(1, heads)
+
+
 def _check_lengths(x, name, batch):
     if x is None:
         return None
@@ -156,12 +167,7 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
         mask = _canonical_mask_dtype(_as_array(mask, "mask"), "mask")
         mask = _broadcast_mask(mask, "mask", (b, hq, lq, lk))
 
-    if sinks is not None:
-        sinks = _as_array(sinks, "sinks")
-        if sinks.shape != (hq,):
-            raise ValueError(f"sinks must have shape (Hq,) = ({hq},), got {sinks.shape}")
-        _check_float(sinks, "sinks")
-        sinks = sinks.astype(jnp.float32).reshape(1, hq)
+    sinks = _check_sinks(sinks, hq, "Hq")
 
     q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b)
     kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
@@ -266,21 +272,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
             raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
     if is_causal:
         window_right = 0 if window_right < 0 else min(window_right, 0)
-    if sinks is not None:
-        sinks = _as_array(sinks, "sinks")
-        if sinks.shape != (n,):
-            raise ValueError(f"sinks must have shape (N,) = ({n},), got {sinks.shape}")
-        _check_float(sinks, "sinks")
-        sinks = sinks.astype(jnp.float32).reshape(1, n)
+    sinks = _check_sinks(sinks, n, "N")
     scale = float(1.0 / math.sqrt(h) if scale is None else scale)
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
                           bottom_right=False, seq_major=True, implementation=implementation)
     args = (query, key, value, combined, sinks, q_lengths, kv_lengths, params)
     _check_named(implementation, *args)
     out, lse = _run(*args)
-    if _rows_may_be_empty(combined, kv_lengths, window_left, t, s) or q_lengths is not None:
-        out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n,
-                                      _rows_may_be_empty(combined, kv_lengths, window_left, t, s))
+    may_be_empty = _rows_may_be_empty(combined, kv_lengths, window_left, t, s)
+    if may_be_empty or q_lengths is not None:
+        out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
     out = out.reshape(output_shape)
     if return_residual:
         residual = jnp.swapaxes(lse, 1, 2)  # B N T -> B T N

@@ -248,6 +248,37 @@ def _mask_blocks(mask, block, nblocks):
     return _blocks(mask, 3, block, nblocks), True
 
 
+def _key_blocks(k, v, mask, batch, heads_q, len_q, len_kv, block):
+    """K, V (and the mask, when it varies over keys) cut into key blocks: the block size,
+    their count, the scan inputs (block index, K block, V block[, mask block]) and whether
+    the mask is among them."""
+    block = block or choose_block(batch, heads_q, len_q, len_kv)
+    nblocks = max(1, -(-len_kv // block))
+    m_blocks, mask_per_block = _mask_blocks(mask, block, nblocks)
+    xs = (jnp.arange(nblocks), _blocks(k, 2, block, nblocks), _blocks(v, 2, block, nblocks))
+    return block, nblocks, xs + ((m_blocks,) if mask_per_block else ()), mask_per_block
+
+
+def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, shape, precision,
+                  acc):
+    """Scaled scores of key block `idx` against the grouped queries, with their visibility
+    (band, lengths, keys past the end, a bool mask); an additive mask is added to them.
+    shape = (B, Hq, Hk, Lq, Lk)."""
+    b, hq, hk, lq, lk = shape
+    key_index = idx * block + jnp.arange(block)
+    s = jnp.einsum("bkgid,bkjd->bkgij", qg, kb, precision=precision,
+                   preferred_element_type=acc) * jnp.asarray(params.scale, acc)
+    vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
+    vis = vis & (key_index < lk)
+    if mb is not None:
+        mg = _mask_grouped(mb, hq, hk)
+        if mb.dtype == jnp.bool_:
+            vis = vis & mg
+        else:
+            s = s + mg.astype(acc)
+    return s, vis
+
+
 def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
                     precision=None, block: Optional[int] = None):
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
@@ -255,30 +286,15 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
     hk, lk = k.shape[1], k.shape[2]
     dv_ = v.shape[-1]
     acc = _acc_dtype(q.dtype)
-    block = block or choose_block(b, hq, lq, lk)
-    nblocks = max(1, -(-lk // block))
-    k_blocks = _blocks(k, 2, block, nblocks)
-    v_blocks = _blocks(v, 2, block, nblocks)
-    m_blocks, mask_per_block = _mask_blocks(mask, block, nblocks)
+    block, _, xs, mask_per_block = _key_blocks(k, v, mask, b, hq, lq, lk, block)
     qg = _grouped(q, hk)
-    scale = jnp.asarray(params.scale, acc)
-    bool_mask = mask is not None and mask.dtype == jnp.bool_
 
     def step(carry, xs):
         m_run, l_run, o_run = carry
         idx, kb, vb = xs[0], xs[1], xs[2]
         mb = xs[3] if mask_per_block else mask
-        key_index = idx * block + jnp.arange(block)
-        s = jnp.einsum("bkgid,bkjd->bkgij", qg, kb, precision=precision,
-                       preferred_element_type=acc) * scale
-        vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
-        vis = vis & (key_index < lk)
-        if mb is not None:
-            mg = _mask_grouped(mb, hq, hk)
-            if bool_mask:
-                vis = vis & mg
-            else:
-                s = s + mg.astype(acc)
+        s, vis = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                               (b, hq, hk, lq, lk), precision, acc)
         s = jnp.where(vis, s, NEG_INF)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -298,7 +314,6 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
     else:
         l0 = jnp.zeros((b, hk, g, lq), acc)
     o0 = jnp.zeros((b, hk, g, lq, dv_), acc)
-    xs = (jnp.arange(nblocks), k_blocks, v_blocks) + ((m_blocks,) if mask_per_block else ())
     (m_run, l_run, o_run), _ = lax.scan(step, (m0, l0, o0), xs)
     ok = l_run > 0
     lse = jnp.where(ok, jnp.where(jnp.isfinite(m_run), m_run, 0)
@@ -319,12 +334,7 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
-    block = block or choose_block(b, hq, lq, lk)
-    nblocks = max(1, -(-lk // block))
-    k_blocks = _blocks(k, 2, block, nblocks)
-    v_blocks = _blocks(v, 2, block, nblocks)
-    m_blocks, mask_per_block = _mask_blocks(mask, block, nblocks)
-    bool_mask = mask is not None and mask.dtype == jnp.bool_
+    block, nblocks, xs, mask_per_block = _key_blocks(k, v, mask, b, hq, lq, lk, block)
     qg, dout_g = _grouped(q, hk), _grouped(dout, hk)
     lse_g = _grouped(lse.astype(acc), hk)[..., None]
     finite = jnp.isfinite(lse_g)
@@ -336,18 +346,9 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
     def step(dq, xs):
         idx, kb, vb = xs[0], xs[1], xs[2]
         mb = xs[3] if mask_per_block else mask
-        key_index = idx * block + jnp.arange(block)
-        s = jnp.einsum("bkgid,bkjd->bkgij", qg, kb, precision=precision,
-                       preferred_element_type=acc) * scale
-        vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
-        vis = vis & (key_index < lk) & finite
-        if mb is not None:
-            mg = _mask_grouped(mb, hq, hk)
-            if bool_mask:
-                vis = vis & mg
-            else:
-                s = s + mg.astype(acc)
-        p = jnp.where(vis, jnp.exp(s - lse_safe), 0)
+        s, vis = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                               (b, hq, hk, lq, lk), precision, acc)
+        p = jnp.where(vis & finite, jnp.exp(s - lse_safe), 0)
         dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, vb, precision=precision,
                         preferred_element_type=acc)
         ds = p * (dp - delta)
@@ -360,7 +361,6 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
         return dq, (dkb.astype(k.dtype), dvb.astype(v.dtype))
 
     dq0 = jnp.zeros(qg.shape, acc)
-    xs = (jnp.arange(nblocks), k_blocks, v_blocks) + ((m_blocks,) if mask_per_block else ())
     dq, (dk_blocks, dv_blocks) = lax.scan(step, dq0, xs)
 
     def unblock(x, last):
