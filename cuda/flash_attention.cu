@@ -1,6 +1,7 @@
 // Host side of the flash-attention prefill kernels (DRAFT): checks and the
 // dtype dispatch. The kernels are instantiated per dtype in
 // flash_attention_{f32,f16,bf16}.cu so that they compile in parallel.
+#include <cstdlib>
 #include <string>
 
 #include "cuda/flash_attention.h"
@@ -23,6 +24,11 @@ std::string unsupported_reason(const SdpaParams& p) {
   return "";
 }
 
+bool fast_kernels_enabled() {
+  static const bool enabled = std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr;
+  return enabled;
+}
+
 cudaError_t launch_forward(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32Mode mode,
                            cudaStream_t stream) {
   switch (p.dtype) {
@@ -33,22 +39,29 @@ cudaError_t launch_forward(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32M
   return cudaErrorInvalidValue;
 }
 
-size_t backward_scratch_bytes(const SdpaParams& p) {
+namespace {
+// The backward scratch: delta = rowsum(dout * out) (f32, one per query row), then, where
+// backward_wide_applies(p), the wide backward's fp32 dq accumulator, 16-byte aligned.
+size_t delta_bytes(const SdpaParams& p) {
   const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.len_q);
-  // delta, then (16-bit, 256 < D, Dv <= 512) the wide backward's fp32 dq accumulator, 16-byte
-  // aligned right after it (backward_wide_accum in cuda/flash_bwd_wide.cu finds it there).
-  return (rows * sizeof(float) + 15) / 16 * 16 + backward_wide_accum_bytes(p);
+  return (rows * sizeof(float) + 15) / 16 * 16;
+}
+}  // namespace
+
+size_t backward_scratch_bytes(const SdpaParams& p) {
+  return delta_bytes(p) + backward_wide_accum_bytes(p);
 }
 
 cudaError_t launch_backward(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32Mode mode,
                             void* scratch, cudaStream_t stream) {
-  // scratch = [delta][wide dq accumulator, where backward_wide_applies(p)]: the 16-bit
-  // launchers find the accumulator with backward_wide_accum(p, delta).
   float* delta = static_cast<float*>(scratch);
+  float* dq_accum = backward_wide_applies(p) && scratch != nullptr
+                        ? reinterpret_cast<float*>(static_cast<char*>(scratch) + delta_bytes(p))
+                        : nullptr;
   switch (p.dtype) {
     case DType::kF32: return launch_backward_f32(p, buf, mode, delta, stream);
-    case DType::kF16: return launch_backward_f16(p, buf, delta, stream);
-    case DType::kBF16: return launch_backward_bf16(p, buf, delta, stream);
+    case DType::kF16: return launch_backward_f16(p, buf, delta, dq_accum, stream);
+    case DType::kBF16: return launch_backward_bf16(p, buf, delta, dq_accum, stream);
   }
   return cudaErrorInvalidValue;
 }

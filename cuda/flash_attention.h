@@ -21,6 +21,10 @@ enum class Fp32Mode : int { kTf32 = 0, kHighest = 1 };
 // Empty when the flash kernels can serve `p`, else why not.
 std::string unsupported_reason(const SdpaParams& p);
 
+// Whether the tuned kernels (flash_fwd_tc, flash_bwd_tc, flash_fwd_wide, flash_bwd_wide) are
+// tried before the generic ones: yes unless JAX_SDPA_FLASH_GENERIC is set (read once).
+bool fast_kernels_enabled();
+
 // Enqueues the forward kernel on `stream` (writes every element of out + lse).
 cudaError_t launch_forward(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32Mode mode,
                            cudaStream_t stream);
@@ -42,10 +46,12 @@ cudaError_t launch_backward(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32
                             void* scratch, cudaStream_t stream);
 cudaError_t launch_backward_f32(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32Mode mode,
                                 float* delta, cudaStream_t stream);
+// 16-bit: `dq_accum` is the wide backward's fp32 dq accumulator in the scratch (nullptr
+// where backward_wide_applies(p) is false).
 cudaError_t launch_backward_f16(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
-                                cudaStream_t stream);
+                                float* dq_accum, cudaStream_t stream);
 cudaError_t launch_backward_bf16(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
-                                 cudaStream_t stream);
+                                 float* dq_accum, cudaStream_t stream);
 
 }  // namespace cuda_flash
 }  // namespace jax_sdpa

@@ -3,7 +3,6 @@
 #include "cuda/flash_bwd_wide.h"
 #include "cuda/flash_fwd_wide.cuh"
 
-#include <cstdlib>
 
 namespace jax_sdpa {
 namespace cuda_flash {
@@ -11,7 +10,7 @@ namespace cuda_flash {
 cudaError_t launch_forward_bf16(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                cudaStream_t stream) {
   // Head dims in (256, 512]: the wide-head kernel (flash_fwd_wide.cuh).
-  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+  if (fast_kernels_enabled()) {
     const cudaError_t e = wide::launch_forward_wide<__nv_bfloat16>(p, buf, stream);
     if (e != cudaErrorNotSupported) return e;
   }
@@ -20,10 +19,10 @@ cudaError_t launch_forward_bf16(const SdpaParams& p, const SdpaFwdBuffers& buf,
 }
 
 cudaError_t launch_backward_bf16(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
-                                 cudaStream_t stream) {
+                                 float* dq_accum, cudaStream_t stream) {
   // Head dims in (256, 512]: the wide-head backward (flash_bwd_wide.cuh).
-  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
-    const cudaError_t e = launch_backward_wide(p, buf, delta, backward_wide_accum(p, delta), stream);
+  if (fast_kernels_enabled()) {
+    const cudaError_t e = launch_backward_wide(p, buf, delta, dq_accum, stream);
     if (e != cudaErrorNotSupported) return e;
   }
   return launch_bwd_t<__nv_bfloat16, 0>(p, buf, delta, stream);

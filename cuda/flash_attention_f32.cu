@@ -3,7 +3,6 @@
 #include "cuda/flash_bwd_tc.h"
 #include "cuda/flash_fwd_tc.cuh"
 
-#include <cstdlib>
 
 namespace jax_sdpa {
 namespace cuda_flash {
@@ -11,7 +10,7 @@ namespace cuda_flash {
 cudaError_t launch_forward_f32(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32Mode mode,
                                cudaStream_t stream) {
   // Head dims <= 128: the tuned tensor-core kernel (flash_fwd_tc.cuh).
-  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+  if (fast_kernels_enabled()) {
     const cudaError_t e = tc::launch_forward_fast_f32(p, buf, mode, stream);
     if (e != cudaErrorNotSupported) return e;
   }
@@ -26,7 +25,7 @@ cudaError_t launch_forward_f32(const SdpaParams& p, const SdpaFwdBuffers& buf, F
 cudaError_t launch_backward_f32(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32Mode mode,
                                 float* delta, cudaStream_t stream) {
   // Head dims <= 128: the tuned tensor-core backward (flash_bwd_tc.cuh).
-  if (std::getenv("JAX_SDPA_FLASH_GENERIC") == nullptr) {
+  if (fast_kernels_enabled()) {
     const cudaError_t e = launch_backward_f32_fast(p, buf, mode, delta, stream);
     if (e != cudaErrorNotSupported) return e;
   }

@@ -15,12 +15,6 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-size_t delta_bytes(const SdpaParams& p) {
-  // Must match backward_scratch_bytes (cuda/flash_attention.cu): delta first, rounded to 16.
-  const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.len_q);
-  return (rows * sizeof(float) + 15) / 16 * 16;
-}
-
 template <typename T>
 cudaError_t launch_t(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
                      float* dq_accum, cudaStream_t stream) {
@@ -83,11 +77,6 @@ bool backward_wide_applies(const SdpaParams& p) {
 size_t backward_wide_accum_bytes(const SdpaParams& p) {
   if (!backward_wide_applies(p)) return 0;
   return static_cast<size_t>(p.batch * p.heads_q * p.len_q * p.head_dim) * sizeof(float);
-}
-
-float* backward_wide_accum(const SdpaParams& p, float* delta) {
-  if (!backward_wide_applies(p) || delta == nullptr) return nullptr;
-  return reinterpret_cast<float*>(reinterpret_cast<char*>(delta) + bwd_wide::delta_bytes(p));
 }
 
 cudaError_t launch_backward_wide(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,

@@ -3,9 +3,8 @@
 // Kernels: cuda/flash_bwd_wide.cuh; instantiations + launcher: cuda/flash_bwd_wide.cu.
 // UNTESTED ON A GPU when written (compile-checked only).
 //
-// Scratch layout (ffi handler allocates backward_scratch_bytes(p), 16-byte aligned):
-//   [delta: 4 * B * Hq * Lq bytes, rounded up to 16][dq accumulator: 4 * B * Hq * Lq * D bytes]
-// The accumulator is reserved only where backward_wide_applies(p).
+// Its fp32 dq accumulator lives in the backward scratch after delta, laid out by
+// launch_backward (cuda/flash_attention.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,10 +23,6 @@ bool backward_wide_applies(const SdpaParams& p);
 
 // Bytes of the fp32 dq accumulator (B * Hq * Lq * D floats), 0 where !backward_wide_applies.
 size_t backward_wide_accum_bytes(const SdpaParams& p);
-
-// Where the accumulator starts in the backward scratch (right after delta, 16-byte aligned);
-// nullptr where !backward_wide_applies(p).
-float* backward_wide_accum(const SdpaParams& p, float* delta);
 
 // Enqueues delta, the memset of dq_accum, the dK/dV/dQ kernel and the dq conversion on
 // `stream` (writes every element of dq, dk, dv). Returns cudaErrorNotSupported, before

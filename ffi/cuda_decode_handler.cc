@@ -72,15 +72,10 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   e = cuda_decode::make_plan(p, device, forced_splits(), combine_mode(), &plan);
   if (e != cudaSuccess) return cuda_error("cuda decode", "planning the launch", e);
   void* work = nullptr;
-  if (plan.scratch_bytes > 0) {
-    // XLA's FFI allocator refuses alignments over 16 (its blocks are 256-aligned anyway).
-    auto mem = scratch.Allocate(plan.scratch_bytes, 16);
-    if (!mem.has_value())
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jax_sdpa cuda decode: could not allocate " +
-                            std::to_string(plan.scratch_bytes) + " bytes of split-K scratch");
-    work = *mem;
-  }
+  if (auto err = allocate_scratch(scratch, plan.scratch_bytes, "cuda decode", "split-K scratch",
+                                  &work);
+      err.failure())
+    return err;
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
   e = cuda_decode::launch(p, buf, plan, work, stream);
   if (e != cudaSuccess) return cuda_error("cuda decode", "kernel launch", e);

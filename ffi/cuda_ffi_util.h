@@ -16,6 +16,21 @@ inline ffi::Error cuda_error(const char* who, const char* what, cudaError_t e) {
                               cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
+// `bytes` of device scratch from XLA's allocator into *out (nullptr when bytes == 0), 16-byte
+// aligned: XLA's FFI allocator refuses larger alignments (its blocks are 256-aligned anyway).
+inline ffi::Error allocate_scratch(ffi::ScratchAllocator& scratch, size_t bytes, const char* who,
+                                   const char* what, void** out) {
+  *out = nullptr;
+  if (bytes == 0) return ffi::Error::Success();
+  auto mem = scratch.Allocate(bytes, 16);
+  if (!mem.has_value())
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string("jax_sdpa ") + who + ": could not allocate " +
+                          std::to_string(bytes) + " bytes of " + what);
+  *out = *mem;
+  return ffi::Error::Success();
+}
+
 // JAX_SDPA_POISON_OUTPUTS (tests): NaN-fill the outputs on the stream before the kernel
 // runs, so that an element nobody writes fails the comparison (0xFF bytes are NaN in
 // f32, f16 and bf16).

@@ -98,15 +98,10 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   if (dq->size_bytes() + dk->size_bytes() + dv->size_bytes() == 0) return ffi::Error::Success();
 
   void* work = nullptr;
-  const size_t bytes = cuda_flash::backward_scratch_bytes(p);
-  if (bytes > 0) {
-    auto mem = scratch.Allocate(bytes, 16);
-    if (!mem.has_value())
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jax_sdpa cuda flash: could not allocate " + std::to_string(bytes) +
-                            " bytes of backward scratch");
-    work = *mem;
-  }
+  if (auto err = allocate_scratch(scratch, cuda_flash::backward_scratch_bytes(p), "cuda flash",
+                                  "backward scratch", &work);
+      err.failure())
+    return err;
   (void)cudaGetLastError();
   cudaError_t e = cuda_flash::launch_backward(p, buf, fp32_mode(attrs), work, stream);
   if (e != cudaSuccess) return cuda_error("cuda flash", "backward launch", e);
