@@ -19,7 +19,7 @@ done
 [ -n "$cuda_inc" ] || { echo "cuda_runtime_api.h not found (set CUDA_HOME)"; exit 1; }
 gencode=${DECODE_GENCODE:--gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a}
 pids=()
-for tu in decode_attention decode_attention_f16 decode_attention_bf16 decode_v2; do
+for tu in decode_attention decode_attention_f16 decode_attention_bf16; do
   nvcc -std=c++17 -O3 --threads 0 -Xcompiler -fPIC -ccbin "$CXX" -I. -Icuda --expt-relaxed-constexpr \
     $gencode -Xptxas -v -c cuda/$tu.cu -o "$out/$tu.o" 2> "$out/ptxas_$tu.txt" &
   pids+=($!)
@@ -28,6 +28,6 @@ for p in "${pids[@]}"; do wait "$p" || { cat "$out"/ptxas_*.txt | grep -i error;
 "$CXX" -std=c++17 -O2 -fPIC -I. -I"$ffi_inc" -I"$cuda_inc" \
   -c ffi/cuda_decode_handler.cc -o "$out/cuda_decode_handler.o"
 nvcc -shared -ccbin "$CXX" -cudart static "$out/decode_attention.o" "$out/decode_attention_f16.o" \
-  "$out/decode_attention_bf16.o" "$out/decode_v2.o" "$out/cuda_decode_handler.o" \
+  "$out/decode_attention_bf16.o" "$out/cuda_decode_handler.o" \
   -o "$out/libjax_sdpa_cuda_decode.so"
 echo "built $out/libjax_sdpa_cuda_decode.so"

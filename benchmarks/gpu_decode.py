@@ -10,16 +10,9 @@ package's `jax_sdpa._sdpa_cuda` registrations. Sections (--only):
   bench      PEERS.md decode rows + fp32 + B64 rows: ours vs jax.nn xla / cudnn, GB/s,
              fraction of the measured device copy bandwidth
   crossover  ours vs jax.nn cudnn over batch, keys and queries per kv head
-  v2         (not in the default set) decode v2 draft (JAX_SDPA_CUDA_DECODE_V2=1, read per
-             call): first a child process runs `v2check` (the correctness matrix with the
-             knob on, poisoned outputs, + quick passes with the separate combine and with
-             pinned grids), then the target rows are timed with the knob off (current
-             kernels) and on (v2, auto / kernel / fused combine) in this process, outputs
-             compared against the current kernel (max rel diff, > 1e-2 flagged):
-             python3 -P benchmarks/gpu_decode.py --module --only v2
   sweep      (not in the default set) the target rows under a few settings of the
              per-call knobs JAX_SDPA_CUDA_DECODE_{CFG,SPLITS,COMBINE} (read by the
-             host launcher on every call, so one process times them all, < 60 s):
+             host launcher when it runs: one executable per setting, < 60 s):
              python3 -P benchmarks/gpu_decode.py --module --only sweep
 The lead's harness can import `run_check`, `run_bench`, `run_crossover`.
 """
@@ -43,6 +36,25 @@ import numpy as np  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+
+
+def _workspace_helper():
+    """jax_sdpa's size of the decode kernel's workspace result: from the installed package
+    (--module, run from /tmp), else from this checkout's source tree (--lib)."""
+    try:
+        from jax_sdpa.dispatch import cuda_decode_workspace_bytes_for
+        return cuda_decode_workspace_bytes_for
+    except ImportError:
+        pass
+    for name in [m for m in sys.modules if m == "jax_sdpa" or m.startswith("jax_sdpa.")]:
+        del sys.modules[name]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jax_sdpa.dispatch import cuda_decode_workspace_bytes_for
+    return cuda_decode_workspace_bytes_for
+
+
+cuda_decode_workspace_bytes_for = _workspace_helper()
 
 TARGET = "jax_sdpa_cuda_fwd"
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
@@ -74,11 +86,17 @@ def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, w
         scale = 1.0 / math.sqrt(D)
     zf = jnp.zeros((0,), jnp.float32)
     zi = jnp.zeros((0,), jnp.int32)
+    Hk, Lk, Dv = (k.shape[2], k.shape[1], v.shape[3]) if seq_major else \
+        (k.shape[1], k.shape[2], v.shape[3])
+    # The third result: the kernel's workspace (split-K partials + counters), sized as
+    # jax_sdpa's lowering sizes it; dropped.
+    ws = cuda_decode_workspace_bytes_for(B, Hq, Hk, Lq, Lk, Dv)
     call = jax.ffi.ffi_call(
         TARGET,
-        (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Lq), jnp.float32)),
+        (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Lq), jnp.float32),
+         jax.ShapeDtypeStruct((ws,), jnp.uint8)),
     )
-    return call(q, k, v,
+    out, lse, _ = call(q, k, v,
                 zf if mask is None else mask,
                 zf if sinks is None else sinks,
                 zi if qlen is None else qlen,
@@ -88,6 +106,7 @@ def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, w
                 has_mask=mask is not None, has_sinks=sinks is not None,
                 has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
                 fp32_precision=0)
+    return out, lse
 
 
 # ---------------------------------------------------------------------------
@@ -474,8 +493,9 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 def run_sweep(copy_bw, budget_s=55.0):
     """Times `ours` on the target rows under each knob setting in SWEEP (the knobs
-    are read per call by the host launcher). Prints one line per setting and the
-    best per row; stops adding settings once budget_s is spent."""
+    are read by the host launcher when it runs, which XLA does once when it captures the
+    call into a CUDA graph: so one executable per setting). Prints one line per setting
+    and the best per row; stops adding settings once budget_s is spent."""
     os.environ[KNOB + "VERBOSE"] = "1"  # the launcher prints each new plan (W, S, splits)
     out = []
     t_start = time.time()
@@ -485,9 +505,6 @@ def run_sweep(copy_bw, budget_s=55.0):
         nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
         K = int(min(32, max(8, 2e-3 / (nbytes / 3.0e12 + 8e-6))))
         rows = []
-        # One executable per row: the launcher reads the knobs on every call.
-        f = _loop_fn(lambda q_, k_, v_: ours(q_, k_, v_)[0], K)
-        one = jax.jit(lambda q_, k_, v_: ours(q_, k_, v_))
         ref = None  # the first (default) setting's out + lse: every variant must agree
         for st in settings:
             if time.time() - t_start > budget_s:
@@ -498,6 +515,9 @@ def run_sweep(copy_bw, budget_s=55.0):
             for kn, val in st.items():
                 os.environ[KNOB + kn] = val
             label = ",".join(f"{kn}={val}" for kn, val in st.items()) or "default"
+            # Fresh executables per setting: a command buffer replays the plan it recorded.
+            f = _loop_fn(lambda q_, k_, v_: ours(q_, k_, v_)[0], K)
+            one = jax.jit(lambda q_, k_, v_: ours(q_, k_, v_))
             try:
                 o, l = (np.asarray(x.astype(jnp.float32), np.float64) for x in one(q, k, v))
                 if ref is None:
@@ -525,103 +545,6 @@ def run_sweep(copy_bw, budget_s=55.0):
                   f"(default {ok[0]['GBps']:.0f})", flush=True)
         out.append(dict(case=name, dtype=dt, B=B, Hq=Hq, Hk=Hk, Lk=Lk, D=D, bytes=nbytes, K=K,
                         results=rows))
-    os.environ.pop(KNOB + "VERBOSE", None)
-    return out
-
-
-# Decode v2 draft (cuda/decode_v2.*): target rows (name, dt, B, Hq, Hk, Lk, D, seq_major,
-# target GB/s) and the knob settings timed on each. {} = the current kernels.
-V2_ROWS = [
-    ("B8 H32/KV8 Lk8192 D128", "bf16", 8, 32, 8, 8192, 128, False, 3900),
-    ("B8 H32/KV8 Lk8192 D128 seq_major", "bf16", 8, 32, 8, 8192, 128, True, 3900),
-    ("B1 H32/KV8 Lk32768 D128", "bf16", 1, 32, 8, 32768, 128, False, 3800),
-    ("B1 H32/KV4 Lk8192 D512", "bf16", 1, 32, 4, 8192, 512, False, 3600),
-    ("B64 H32/KV8 Lk2048 D128", "bf16", 64, 32, 8, 2048, 128, False, 3339),
-    ("B1 H32/KV4 Lk1024 D512 fp16", "fp16", 1, 32, 4, 1024, 512, False, None),
-]
-V2_SETTINGS = [{}, {"V2": "1"}, {"V2": "1", "V2_COMBINE": "kernel"},
-               {"V2": "1", "V2_COMBINE": "fused"}]
-V2_KNOBS = ("V2", "V2_COMBINE", "V2_CTAS")
-
-
-def _set_knobs(st):
-    for kn in V2_KNOBS:
-        os.environ.pop(KNOB + kn, None)
-    for kn, val in st.items():
-        os.environ[KNOB + kn] = val
-
-
-def run_v2check():
-    """The correctness matrix with JAX_SDPA_CUDA_DECODE_V2=1 (cases v2 does not serve run
-    the current kernels: the verbose plan lines on stderr say which ran), then quick
-    passes with the separate combine kernel and with pinned grids (5 CTAs: ranges span
-    several units; 100000: clamped to one tile per CTA, many splits per unit)."""
-    os.environ[KNOB + "VERBOSE"] = "1"
-    out = {}
-    for label, st in (("auto", {"V2": "1"}),
-                      ("combine_kernel", {"V2": "1", "V2_COMBINE": "kernel"}),
-                      ("ctas5", {"V2": "1", "V2_CTAS": "5"}),
-                      ("ctas_max", {"V2": "1", "V2_CTAS": "100000", "V2_COMBINE": "fused"})):
-        _set_knobs(st)
-        print(f"== v2check {label}: {st}", flush=True)
-        out[label] = run_check(quick=label != "auto")
-    _set_knobs({})
-    os.environ.pop(KNOB + "VERBOSE", None)
-    return out
-
-
-def run_v2(copy_bw, budget_s=90.0):
-    """Times the current kernels and v2 on V2_ROWS (knobs read per call: one executable
-    per row), compares each v2 output with the current kernel's."""
-    os.environ[KNOB + "VERBOSE"] = "1"
-    out = []
-    t_start = time.time()
-    for (name, dt, B, Hq, Hk, Lk, D, seq_major, target) in V2_ROWS:
-        q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D)
-        if seq_major:
-            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        esz = jnp.dtype(DTYPES[dt]).itemsize
-        nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
-        K = int(min(32, max(8, 2e-3 / (nbytes / 3.0e12 + 8e-6))))
-        f = _loop_fn(lambda q_, k_, v_: ours(q_, k_, v_, seq_major=seq_major)[0], K)
-        one = jax.jit(lambda q_, k_, v_: ours(q_, k_, v_, seq_major=seq_major))
-        ref = None
-        rows = []
-        for st in V2_SETTINGS:
-            if time.time() - t_start > budget_s:
-                print(f"v2: budget {budget_s:.0f}s spent, skipping the rest", flush=True)
-                break
-            _set_knobs(st)
-            label = ",".join(f"{kn}={val}" for kn, val in st.items()) or "current"
-            try:
-                o, l = (np.asarray(x.astype(jnp.float32), np.float64) for x in one(q, k, v))
-                if ref is None:
-                    ref = (o, l)
-                fin = np.isfinite(o).all() and not np.isnan(l).any()
-                rel = float(np.max(np.abs(o - ref[0])) / max(np.max(np.abs(ref[0])), 1e-30))
-                lse_d = float(np.max(np.abs(l - ref[1])))
-                agree = bool(fin and rel <= 1e-2 and lse_d <= 1e-3)
-                t = _time_compiled(f, (q, k, v), K, reps=5)
-                rec = dict(setting=label, us=t * 1e6, GBps=nbytes / t / 1e9,
-                           frac_copy=nbytes / t / copy_bw, agrees_with_current=agree,
-                           max_rel_vs_current=rel, lse_vs_current=lse_d)
-                tgt = f" target {target}" if target else ""
-                print(f"v2 {name:<34} {label:<22} {rec['GBps']:6.0f} GB/s {rec['us']:7.1f} us "
-                      f"({rec['frac_copy']:.2f}){tgt} {'agrees' if agree else 'DIFFERS'} "
-                      f"maxrel {rel:.1e} lse {lse_d:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                rec = dict(setting=label, error=str(e).splitlines()[0][:160] if str(e) else "?")
-                print(f"v2 {name:<34} {label:<22} ERR {rec['error'][:80]}", flush=True)
-            rows.append(rec)
-        _set_knobs({})
-        cur = rows[0].get("GBps") if rows else None
-        ok = [r for r in rows[1:] if "GBps" in r and r["agrees_with_current"]]
-        if ok and cur:
-            best = max(ok, key=lambda r: r["GBps"])
-            print(f"v2 best {name:<29} {best['setting']:<22} {best['GBps']:.0f} GB/s "
-                  f"(current {cur:.0f}, x{best['GBps'] / cur:.2f})", flush=True)
-        out.append(dict(case=name, dtype=dt, B=B, Hq=Hq, Hk=Hk, Lk=Lk, D=D, seq_major=seq_major,
-                        target_GBps=target, bytes=nbytes, K=K, results=rows))
     os.environ.pop(KNOB + "VERBOSE", None)
     return out
 
@@ -685,20 +608,7 @@ def main():
     ap.add_argument("--rows", default="", help="bench row indices, e.g. 0,2")
     ap.add_argument("--tag", default="", help="added to the JSON file name")
     args = ap.parse_args()
-    if "v2" in only_arg(args):
-        # The correctness pass needs poisoned outputs (read once per process): a child.
-        cmd = [sys.executable, "-P", os.path.abspath(__file__), "--only", "v2check",
-               "--out", args.out] + (["--module"] if args.module else ["--lib", args.lib])
-        env = dict(os.environ)
-        if not _POISON_GIVEN:
-            env["JAX_SDPA_POISON_OUTPUTS"] = "1"
-        print("v2: correctness child:", " ".join(cmd), flush=True)
-        try:
-            v2check_rc = subprocess.run(cmd, env=env, timeout=400).returncode
-        except subprocess.TimeoutExpired:
-            v2check_rc = 124
-        print(f"v2: correctness child rc={v2check_rc}", flush=True)
-    if ("sweep" in only_arg(args) or "v2" in only_arg(args)) and not _POISON_GIVEN:
+    if "sweep" in only_arg(args) and not _POISON_GIVEN:
         os.environ["JAX_SDPA_POISON_OUTPUTS"] = "0"  # before the first call reads it
     src = register(args.lib, args.module)
     info = env_info()
@@ -719,11 +629,7 @@ def main():
         result["check"] = run_check(quick=args.quick)
         save()
         print(f"[check took {time.time() - t0:.0f}s]", flush=True)
-    if "v2check" in only:
-        result["v2check"] = run_v2check()
-        save()
-        print(f"[v2check took {time.time() - t0:.0f}s]", flush=True)
-    if "bench" in only or "crossover" in only or "sweep" in only or "v2" in only:
+    if "bench" in only or "crossover" in only or "sweep" in only:
         bw = copy_bandwidth()
         result["copy_bandwidth_GBps"] = bw / 1e9
         print(f"device copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
@@ -738,10 +644,6 @@ def main():
         result["sweep"] = run_sweep(result["copy_bandwidth_GBps"] * 1e9)
         save()
         print(f"[sweep done at {time.time() - t0:.0f}s]", flush=True)
-    if "v2" in only:
-        result["v2"] = run_v2(result["copy_bandwidth_GBps"] * 1e9)
-        save()
-        print(f"[v2 done at {time.time() - t0:.0f}s]", flush=True)
     if "crossover" in only:
         result["crossover"] = run_crossover()
         save()
@@ -749,12 +651,6 @@ def main():
     save()
     print("wrote", path, flush=True)
     failed = [r["case"] for r in result.get("check", []) if not r["ok"]]
-    for label, recs in result.get("v2check", {}).items():
-        failed += [f"v2check {label}: {r['case']}" for r in recs if not r["ok"]]
-    failed += [f"v2 {r['case']} {x['setting']}" for r in result.get("v2", [])
-               for x in r["results"] if not x.get("agrees_with_current", "error" not in x)]
-    if "v2" in only and v2check_rc != 0:
-        failed.append(f"v2check child rc={v2check_rc}")
     if failed:
         print("FAILED:", failed, flush=True)
         sys.exit(1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for our decode kernels: load (or rebuild) the library, the
 # correctness matrix (fused and kernel combine), then timing + crossover.
-#   OUT=... bash benchmarks/gpu_decode_run.sh [check] [check2] [bench] [crossover] [v2]
+#   OUT=... bash benchmarks/gpu_decode_run.sh [check] [check2] [bench] [crossover]
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -31,10 +31,6 @@ if has bench; then
 fi
 if has crossover; then
   say crossover; timeout ${CROSS_TIMEOUT:-100} python3 benchmarks/gpu_decode.py --lib $lib --only crossover --out "$OUT" || rc=1
-fi
-if has v2; then
-  say "decode v2 draft: correctness with JAX_SDPA_CUDA_DECODE_V2=1, then current vs v2 timing"
-  timeout ${V2_TIMEOUT:-500} python3 benchmarks/gpu_decode.py --lib $lib --only v2 --out "$OUT" || rc=1
 fi
 if has benchkernel; then
   say "bench rows 1-3 with the separate combine kernel"

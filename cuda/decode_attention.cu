@@ -2,6 +2,7 @@
 // configuration per shape, the split-K heuristic and the launches.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,7 +13,6 @@
 
 #include "decode_attention.h"
 #include "decode_attention_kernels.h"
-#include "decode_v2.h"
 
 namespace jax_sdpa {
 namespace cuda_decode {
@@ -43,14 +43,12 @@ int env_int(const char* name, int fallback) {
   return std::atoi(v);
 }
 
-// Device facts, read once per device.
-constexpr int kMaxCounters = 1 << 16;  // fused combine: units per launch
-constexpr int kMaxSplits = 256;        // fused combine: per-split weights live in smem
+// Device facts, read once per device (attribute queries only: no allocation).
+constexpr int kMaxSplits = 256;  // fused combine: per-split weights live in smem
 
 struct DeviceFacts {
   int sms = 0;
   size_t max_smem_optin = 0;
-  int* counters = nullptr;  // kMaxCounters zeroed ints, self-resetting (never freed)
 };
 std::mutex g_mu;
 std::map<int, DeviceFacts> g_devices;
@@ -71,10 +69,6 @@ cudaError_t device_facts(int device, DeviceFacts* out) {
   e = cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
   f.max_smem_optin = static_cast<size_t>(v);
-  e = cudaMalloc(&f.counters, kMaxCounters * sizeof(int));
-  if (e != cudaSuccess) return e;
-  e = cudaMemset(f.counters, 0, kMaxCounters * sizeof(int));
-  if (e != cudaSuccess) return e;
   g_devices[device] = f;
   *out = f;
   return cudaSuccess;
@@ -137,7 +131,23 @@ int snap_splits(int n, int64_t len_kv) {
   return static_cast<int>(std::max<int64_t>(1, (len_kv + chunk - 1) / chunk));
 }
 
+size_t pad_ws(size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
 }  // namespace
+
+WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t units, bool fused) {
+  WorkspaceLayout w;
+  if (num_splits <= 1) return w;
+  const size_t n = static_cast<size_t>(num_splits);
+  const size_t rows = static_cast<size_t>(p.batch * p.heads_q * p.len_q);
+  w.part_o = 0;
+  w.part_lse = pad_ws(n * rows * static_cast<size_t>(p.head_dim_v) * sizeof(float));
+  w.counters = w.part_lse + pad_ws(n * rows * sizeof(float));
+  w.bytes = w.counters + (fused ? pad_ws(static_cast<size_t>(units) * sizeof(int)) : 0);
+  return w;
+}
 
 KernelInfo select_f32(int64_t d, int64_t dv) {
 #define JAX_SDPA_X(D_, DV_) \
@@ -160,7 +170,7 @@ std::string unsupported_reason(const SdpaParams& p) {
 }
 
 cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int combine_mode,
-                      DecodePlan* plan) {
+                      size_t workspace_bytes, DecodePlan* plan) {
   DeviceFacts f;
   cudaError_t e = device_facts(device, &f);
   if (e != cudaSuccess) return e;
@@ -205,7 +215,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
   const int esz = p.dtype == DType::kF32 ? 4 : 2;
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
-  int64_t min_keys = std::max<int64_t>(2 * 16 * k.warps, (min_split_bytes + key_bytes - 1) / key_bytes);
+  int64_t min_keys = std::max<int64_t>(16 * k.warps, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0 ? force_splits
                            : snap_splits(choose_splits(units, p.len_kv, f.sms * occ, min_keys),
@@ -213,6 +223,12 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
   const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);
   n = std::max(1, std::min({n, kMaxSplits, smem_cap}));
+  // The partials live in the caller's workspace (XLA sizes it for the heuristic's
+  // largest count, jax_sdpa/dispatch.py): fewer splits when they do not fit.
+  if (n > 1 && workspace_layout(p, n, units, false).bytes > workspace_bytes) {
+    while (n > 1 && workspace_layout(p, n, units, false).bytes > workspace_bytes) --n;
+    n = snap_splits(n, p.len_kv);
+  }
   plan->num_splits = n;
   // Auto combine: the last split block of a unit merges n partials of its valid
   // rows with one float4 per thread and split; past ~48 loads per thread (D512
@@ -220,41 +236,27 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   // tail is longer than a separate, grid-wide combine launch.
   const int64_t valid_rows = std::min<int64_t>(R, rb);
   const int64_t per_thread = (valid_rows * (p.head_dim_v / 4) + k.threads - 1) / k.threads;
-  const bool fused_ok = n > 1 && units <= kMaxCounters;
+  // The fused combine's counters follow the partials in the workspace; when they
+  // do not fit, the separate combine kernel (no counters) merges instead.
+  const bool fused_ok = n > 1 && workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
   if (combine_mode == 2) fused = fused_ok;
   else if (combine_mode == 0) fused = fused_ok && n * per_thread <= 48;
   plan->fused_combine = fused;
-  plan->counters = plan->fused_combine ? f.counters : nullptr;
-  plan->scratch_bytes = 0;
-  if (n > 1) {
-    const int64_t rows = p.batch * p.heads_q * p.len_q;
-    const size_t o_bytes = static_cast<size_t>(n) * rows * p.head_dim_v * sizeof(float);
-    const size_t l_bytes = static_cast<size_t>(n) * rows * sizeof(float);
-    plan->scratch_bytes = (o_bytes + 255) / 256 * 256 + (l_bytes + 255) / 256 * 256;
-  }
-  // Decode v2 draft, opt-in per call (JAX_SDPA_CUDA_DECODE_V2=1): size the scratch for
-  // it too; launch() runs it and falls back here when it does not serve the call.
-  if (v2::enabled()) {
-    const size_t v2_bytes = v2::scratch_bytes(p, device);
-    if (v2_bytes > 0) {
-      plan->v2 = true;
-      plan->v2_counters = f.counters;
-      plan->scratch_bytes = std::max(plan->scratch_bytes, v2_bytes);
-    }
-  }
+  plan->workspace = workspace_layout(p, n, units, fused);
   if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
-    char line[320];
+    char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
                   "dtype%d -> W%d S%d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
-                  "combine %s\n",
+                  "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype), k.warps,
                   k.stages, rb, plan->row_chunks, n, occ, k.smem,
-                  n == 1 ? "none" : (fused ? "fused" : "kernel"));
+                  n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
+                  workspace_bytes);
     static std::mutex mu;
     static std::string last;
     std::lock_guard<std::mutex> lock(mu);
@@ -267,17 +269,9 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
 }
 
 cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodePlan& plan,
-                   void* scratch, cudaStream_t stream) {
+                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (rows == 0) return cudaSuccess;
-  // Decode v2 draft (off unless JAX_SDPA_CUDA_DECODE_V2=1; docs/cuda_decode.md): runs the
-  // call when it serves it, else the current kernels below do.
-  if (plan.v2 && v2::enabled()) {
-    bool served = false;
-    cudaError_t e2 = v2::launch(p, buf, scratch, plan.scratch_bytes, plan.v2_counters,
-                                kMaxCounters, stream, &served);
-    if (served) return e2;
-  }
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
                                plan.warps, plan.stages);
   if (k.func == nullptr || (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))
@@ -318,16 +312,28 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   a.sinks_bs = p.sinks_batch_stride;
   a.qlen = p.q_lengths;
   a.kvlen = p.kv_lengths;
-  a.counters = plan.fused_combine ? plan.counters : nullptr;
+  a.counters = nullptr;
+  a.part_o = nullptr;
+  a.part_lse = nullptr;
+  const int64_t units = p.batch * p.heads_kv * plan.row_chunks;
   if (plan.num_splits > 1) {
-    if (scratch == nullptr) return cudaErrorInvalidValue;
-    const size_t o_bytes =
-        static_cast<size_t>(plan.num_splits) * rows * p.head_dim_v * sizeof(float);
-    a.part_o = static_cast<float*>(scratch);
-    a.part_lse = reinterpret_cast<float*>(static_cast<char*>(scratch) + (o_bytes + 255) / 256 * 256);
+    const WorkspaceLayout w = workspace_layout(p, plan.num_splits, units, plan.fused_combine);
+    if (workspace == nullptr || w.bytes != plan.workspace.bytes || w.bytes > workspace_bytes ||
+        reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+      return cudaErrorInvalidValue;
+    char* base = static_cast<char*>(workspace);
+    a.part_o = reinterpret_cast<float*>(base + w.part_o);
+    a.part_lse = reinterpret_cast<float*>(base + w.part_lse);
+    if (plan.fused_combine) {
+      // A fresh workspace holds garbage: zero the counters on the stream every call
+      // (the kernel resets them itself too, but the workspace is not ours to keep).
+      a.counters = reinterpret_cast<int*>(base + w.counters);
+      cudaError_t e = cudaMemsetAsync(a.counters, 0, static_cast<size_t>(units) * sizeof(int),
+                                      stream);
+      if (e != cudaSuccess) return e;
+    }
   }
 
-  const int64_t units = p.batch * p.heads_kv * plan.row_chunks;
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
   k.launch(a, grid, k.threads, k.smem, stream);
   cudaError_t e = cudaGetLastError();

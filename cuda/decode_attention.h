@@ -3,7 +3,7 @@
 // Split-K flash decoding: one block per (batch, kv head, row chunk, key split)
 // with every query row of the GQA group packed into the block so that each K/V
 // row is read from HBM once per kv head; per-split partial out + lse go to
-// scratch and a combine kernel merges them (one pass when B*Hk fills the GPU).
+// the workspace and a combine kernel merges them (one pass when B*Hk fills the GPU).
 // bf16/fp16 run on tensor cores (mma.sync m16n8k16, f32 accumulation); fp32
 // runs on the CUDA cores in full fp32. Semantics: docs/ffi_contract.md.
 //
@@ -21,7 +21,31 @@
 namespace jax_sdpa {
 namespace cuda_decode {
 
-// How one call will run: decided on the host from shapes and the device.
+// The workspace: a uint8 result buffer of the FFI call (the third result of
+// `jax_sdpa_cuda_fwd`, allocated by XLA, so that the handler needs no scratch
+// allocator and XLA can capture the call in a command buffer). For n splits and
+// rows = B * Hq * Lq, byte offsets from its (16-byte aligned) start:
+//   [partial out: n * rows * Dv float32, padded to 256 bytes]
+//   [partial lse: n * rows float32, padded to 256 bytes]
+//   [combine counters: units int32, padded to 256 bytes]   (fused combine only)
+// units = B * Hk * row_chunks, row_chunks = ceil(G * Lq / rows_per_block). One
+// split needs none of it; the separate combine kernel needs no counters. The
+// Python side (jax_sdpa/dispatch.py: cuda_decode_workspace_bytes) sizes it for the
+// largest split count the heuristic can choose; make_plan lowers the split count
+// to what fits when it is smaller (e.g. a pinned JAX_SDPA_CUDA_DECODE_SPLITS).
+constexpr size_t kWorkspaceAlign = 256;
+
+struct WorkspaceLayout {
+  size_t part_o = 0;    // byte offsets of the three regions
+  size_t part_lse = 0;
+  size_t counters = 0;
+  size_t bytes = 0;     // bytes used: 0 when num_splits == 1
+};
+
+// The layout for `num_splits` splits over `units` block units; `fused`: counters too.
+WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t units, bool fused);
+
+// How one call will run: decided on the host from shapes, the device and the workspace.
 struct DecodePlan {
   int num_splits = 1;       // key splits per (b, kv head, row chunk)
   int rows_per_block = 8;   // query rows (GQA heads x queries) per block: 8 or 16
@@ -31,13 +55,7 @@ struct DecodePlan {
   bool tensor_cores = false;
   int warps = 0, stages = 0;   // the main kernel's W x S (tensor cores: variant chosen)
   bool fused_combine = false;  // last split block merges (no combine launch)
-  int* counters = nullptr;     // the device's split counters when fused
-  size_t scratch_bytes = 0; // split-K partials (0 when num_splits == 1)
-  // Decode v2 draft (JAX_SDPA_CUDA_DECODE_V2=1 only; cuda/decode_v2.h): the plan
-  // was sized for it too (scratch_bytes >= its partials), `v2_counters` are the
-  // device's self-resetting counters for its fused combine.
-  bool v2 = false;
-  int* v2_counters = nullptr;
+  WorkspaceLayout workspace;   // where the partials / counters go (bytes <= workspace given)
 };
 
 // Empty when our kernels can serve `p`, else why not (shown to the user).
@@ -46,21 +64,28 @@ std::string unsupported_reason(const SdpaParams& p);
 // Chooses splits / rows per block for the current device. `force_splits` > 0
 // overrides the heuristic (benchmarks, tests); `combine_mode` 0: default (auto:
 // fused when the last block's merge is short, else a separate combine kernel),
-// 1: always a separate combine kernel, 2: fused where possible. Returns a CUDA
-// error on failure. Per-call environment overrides (read on every call, so one
-// process can time several settings; docs/cuda_decode.md):
+// 1: always a separate combine kernel, 2: fused where possible. The split count
+// is lowered until the partials fit in `workspace_bytes` (1 split needs none),
+// and the fused combine becomes the separate kernel when its counters do not
+// fit. Returns a CUDA error on failure. Per-call environment overrides (read on
+// every call -- once per recording when XLA captures the call into a CUDA graph -- so one
+// process can time several settings, one executable each; docs/cuda_decode.md):
 //   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the argument / heuristic)
 //   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
+// Only device-attribute / occupancy queries: nothing synchronous, no allocation
+// (safe while XLA captures the stream into a CUDA graph).
 cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int combine_mode,
-                      DecodePlan* plan);
+                      size_t workspace_bytes, DecodePlan* plan);
 
-// Enqueues the kernels on `stream`. `scratch` must hold plan.scratch_bytes
-// (16-byte aligned) when plan.num_splits > 1.
+// Enqueues the kernels on `stream` (stream work only: a cudaMemsetAsync of the
+// counters when the combine is fused, the main kernel, the combine kernel).
+// `workspace` (16-byte aligned, `workspace_bytes` long) must hold
+// plan.workspace.bytes.
 cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodePlan& plan,
-                   void* scratch, cudaStream_t stream);
+                   void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace cuda_decode
 }  // namespace jax_sdpa

@@ -2,10 +2,18 @@
 // (cuda/decode_attention.*) behind the forward contract of docs/ffi_contract.md.
 // Few-query attention (Lq * Hq/Hk small) over long key/value caches; the
 // backward of these shapes goes to cuDNN or the reference (same lse contract).
+//
+// Command-buffer (CUDA graph) compatible: besides out and lse the call has a third
+// result, a uint8 workspace that XLA allocates (split-K partials + the fused
+// combine's counters; layout in cuda/decode_attention.h), so execute does only
+// capturable stream work (cudaMemsetAsync + kernel launches) and device/occupancy
+// queries: no scratch allocator, no cudaMalloc, no synchronous call.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "cuda/decode_attention.h"
 #include "cuda/ffi_registry.h"
@@ -41,11 +49,28 @@ int combine_mode() {
   return m;
 }
 
-ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
-                       ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
+// bind_sdpa_fwd's binding (operands, out, lse, the contract's attributes) with the
+// workspace result after lse.
+template <typename Binding>
+auto bind_decode_fwd(Binding binding) {
+  return bind_sdpa_attrs(std::move(binding)
+                             .template Arg<ffi::AnyBuffer>()   // q
+                             .template Arg<ffi::AnyBuffer>()   // k
+                             .template Arg<ffi::AnyBuffer>()   // v
+                             .template Arg<ffi::AnyBuffer>()   // mask
+                             .template Arg<ffi::AnyBuffer>()   // sinks
+                             .template Arg<ffi::AnyBuffer>()   // q_lengths
+                             .template Arg<ffi::AnyBuffer>()   // kv_lengths
+                             .template Ret<ffi::AnyBuffer>()   // out
+                             .template Ret<ffi::AnyBuffer>()   // lse
+                             .template Ret<ffi::AnyBuffer>());  // workspace (uint8)
+}
+
+ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> lse, double scale, int64_t window_left,
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                       double scale, int64_t window_left,
                        int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
                        bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
                        int64_t fp32_precision) {
@@ -65,19 +90,31 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   if (auto e = poison_outputs("cuda decode", stream, {&*out, &*lse}); e.failure()) return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
+  // The workspace (any dtype, read as bytes; the Python side makes it uint8): its
+  // 16-byte aligned part is what the plan may use (XLA's buffers are aligned anyway).
+  auto ws = workspace->dimensions();
+  if (ws.size() != 1)
+    return ffi::Error::InvalidArgument(
+        "jax_sdpa cuda decode: the workspace result must be a 1-D byte buffer");
+  char* ws_ptr = static_cast<char*>(workspace->untyped_data());
+  size_t ws_bytes = workspace->size_bytes();
+  const size_t skew = (16 - reinterpret_cast<uintptr_t>(ws_ptr) % 16) % 16;
+  if (ws_ptr == nullptr || ws_bytes < skew) {
+    ws_ptr = nullptr;
+    ws_bytes = 0;
+  } else {
+    ws_ptr += skew;
+    ws_bytes -= skew;
+  }
+
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return cuda_error("cuda decode", "cudaGetDevice", e);
   cuda_decode::DecodePlan plan;
-  e = cuda_decode::make_plan(p, device, forced_splits(), combine_mode(), &plan);
+  e = cuda_decode::make_plan(p, device, forced_splits(), combine_mode(), ws_bytes, &plan);
   if (e != cudaSuccess) return cuda_error("cuda decode", "planning the launch", e);
-  void* work = nullptr;
-  if (auto err = allocate_scratch(scratch, plan.scratch_bytes, "cuda decode", "split-K scratch",
-                                  &work);
-      err.failure())
-    return err;
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
-  e = cuda_decode::launch(p, buf, plan, work, stream);
+  e = cuda_decode::launch(p, buf, plan, ws_ptr, ws_bytes, stream);
   if (e != cudaSuccess) return cuda_error("cuda decode", "kernel launch", e);
   return ffi::Error::Success();
 }
@@ -87,8 +124,8 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_sdpa_cuda_fwd, jax_sdpa::CudaFwdImpl,
-    jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()
-                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<xla::ffi::ScratchAllocator>()));
+    jax_sdpa::bind_decode_fwd(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd);

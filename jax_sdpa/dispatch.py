@@ -212,6 +212,53 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
     return _ok("our decode kernel (split-K over the kv cache; fp32 exact)")
 
 
+# The decode kernel's workspace (the third, uint8 result of jax_sdpa_cuda_fwd: split-K
+# partials + the fused combine's counters, allocated by XLA so that the call can be
+# captured in a CUDA graph). Mirrors make_plan / choose_splits in cuda/decode_attention.cu,
+# whose split count is at most min(256, len_kv / min_keys, 2 * slots / units + 2) with
+# min_keys >= 32 (2 tiles of 16 keys per warp, rounded to 16) and slots = SMs x resident
+# blocks; make_plan lowers the count to what fits when a workspace is smaller.
+CUDA_DECODE_MAX_SPLITS = 256
+CUDA_DECODE_SLOTS_BOUND = 160 * 4  # a generous bound on SMs x resident blocks per SM
+CUDA_DECODE_MIN_SPLIT_KEYS = 16  # a lower bound on make_plan's min_keys (itself >= 32)
+_WORKSPACE_ALIGN = 256
+
+
+def _pad(nbytes: int) -> int:
+    return -(-nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+
+
+def cuda_decode_workspace_bytes_for(batch: int, heads_q: int, heads_kv: int, len_q: int,
+                                    len_kv: int, head_dim_v: int) -> int:
+    """Bytes of the decode kernel's workspace result for these shapes (>= 256, never an
+    empty buffer). Layout (cuda/decode_attention.h, docs/ffi_contract.md), for n splits and
+    rows = B * Hq * Lq: [partial out: n * rows * Dv float32, padded to 256 bytes]
+    [partial lse: n * rows float32, padded to 256][counters: units int32, padded to 256],
+    units = B * Hk * ceil(G * Lq / rows_per_block). Sized for the largest n the C++
+    heuristic can choose: n_max = min(256, 2 * SLOTS_BOUND // units + 2, max(1, Lk // 16)),
+    with units at 16 rows per block there (the fewest units, so the most splits), and the
+    counters at 8 rows per block (the most units)."""
+    rows = batch * heads_q * len_q
+    if rows <= 0 or heads_kv <= 0:
+        return _WORKSPACE_ALIGN
+    group_rows = (heads_q // heads_kv) * len_q
+    units_fewest = batch * heads_kv * -(-group_rows // 16)
+    units_most = batch * heads_kv * -(-group_rows // 8)
+    n_max = min(CUDA_DECODE_MAX_SPLITS, 2 * CUDA_DECODE_SLOTS_BOUND // max(1, units_fewest) + 2,
+                max(1, len_kv // CUDA_DECODE_MIN_SPLIT_KEYS))
+    if n_max <= 1:
+        return _WORKSPACE_ALIGN
+    total = (_pad(n_max * rows * head_dim_v * 4) + _pad(n_max * rows * 4)
+             + _pad(units_most * 4))
+    return max(_WORKSPACE_ALIGN, total)
+
+
+def cuda_decode_workspace_bytes(cfg: Config) -> int:
+    """`cuda_decode_workspace_bytes_for` of a call's config."""
+    return cuda_decode_workspace_bytes_for(cfg.batch, cfg.heads_q, cfg.heads_kv, cfg.len_q,
+                                           cfg.len_kv, cfg.head_dim_v)
+
+
 def cuda_flash_serves(cfg: Config, direction: str) -> Verdict:
     """Our flash kernels (targets jax_sdpa_cuda_flash_{fwd,bwd}, cuda/flash_attention*):
     forward and backward, every mask form, sinks, lengths, windows, GQA, both layouts."""

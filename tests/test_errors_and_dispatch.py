@@ -370,3 +370,69 @@ def test_cuda_routing_in_the_lowering(fake_h200):
     b = s((2, 4, 128, 64), jnp.bfloat16)
     assert [t for t, _ in calls(jax.grad(lambda q, k, v: named(None)(q, k, v).astype(
         jnp.float32)), b, b, b)] == ["jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"]
+
+
+def test_cuda_decode_workspace_bytes():
+    """The decode kernel's workspace (split-K partials + counters) against a hand count:
+    n_max = min(256, 2 * 640 // units16 + 2, max(1, Lk // 16)), partial out n * rows * Dv
+    f32 + partial lse n * rows f32 + counters units8 int32, each padded to 256 bytes."""
+    from jax_sdpa import dispatch
+    size = dispatch.cuda_decode_workspace_bytes_for
+    # B2 Hq4 Hk4 Lq1 Lk300 Dv64: rows 8, units 8; n = min(256, 162, 18) = 18:
+    # 18*8*64*4 = 36864, 18*8*4 = 576 -> 768, 8*4 = 32 -> 256
+    assert size(2, 4, 4, 1, 300, 64) == 36864 + 768 + 256
+    # B1 Hq32 Hk8 Lq1 Lk32768 Dv128: rows 32, units 8 (R = 4); n = min(256, 162, 2048) = 162:
+    # 162*32*128*4 = 2654208, 162*32*4 = 20736, 8*4 = 32 -> 256
+    assert size(1, 32, 8, 1, 32768, 128) == 2654208 + 20736 + 256
+    # B3 Hq16 Hk1 Lq2 Lk4096 Dv256: R = 32 rows, units16 = 6, units8 = 12; rows 96;
+    # n = min(256, 1280 // 6 + 2 = 215, 256) = 215: 215*96*256*4 = 21135360,
+    # 215*96*4 = 82560 -> 82688, 12*4 = 48 -> 256
+    assert size(3, 16, 1, 2, 4096, 256) == 21135360 + 82688 + 256
+    # one split at most (Lk < 32) or nothing to do: the 256-byte minimum, never empty
+    assert size(2, 4, 4, 1, 31, 64) == 256
+    assert size(0, 4, 4, 1, 300, 64) == 256
+    cfg = _cfg(dtype="bfloat16", b=2, hq=4, hk=4, lq=1, lk=300, d=64)
+    assert dispatch.cuda_decode_workspace_bytes(cfg) == size(2, 4, 4, 1, 300, 64)
+
+
+@pytest.mark.parametrize("seq_major", [False, True])
+def test_cuda_decode_lowering_adds_the_workspace_result(fake_h200, seq_major):
+    """implementation="cuda" on a decode shape, exported for the cuda platform: the custom
+    call `jax_sdpa_cuda_fwd` has a third result, a ui8 workspace of the helper's size, which
+    the lowering drops (the function still returns out, or out and lse)."""
+    from jax import export
+
+    from jax_sdpa import dispatch, vjp
+    from jax_sdpa.config import StaticParams
+
+    s = jax.ShapeDtypeStruct
+    b, hq, hk, lq, lk, d = 2, 16, 4, 2, 1000, 128
+    if seq_major:
+        q, kv = s((b, lq, hq, d), jnp.bfloat16), s((b, lk, hk, d), jnp.bfloat16)
+    else:
+        q, kv = s((b, hq, lq, d), jnp.bfloat16), s((b, hk, lk, d), jnp.bfloat16)
+    lengths = s((b,), jnp.int32)
+    params = StaticParams(scale=0.125, implementation="cuda", seq_major=seq_major)
+    want_ws = dispatch.cuda_decode_workspace_bytes_for(b, hq, hk, lq, lk, d)
+    checks = [export.DisabledSafetyCheck.custom_call("jax_sdpa_cuda_fwd")]
+
+    def both(q, k, v, kvl):
+        return vjp.attention(q, k, v, None, None, None, kvl, params)
+
+    def out_only(q, k, v, kvl):
+        return both(q, k, v, kvl)[0]
+
+    out_shape = q.shape
+    lse_shape = (b, hq, lq)
+    for fn, want_outs in ((both, [out_shape, lse_shape]), (out_only, [out_shape])):
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            q, kv, kv, lengths)
+        assert [a.shape for a in exp.out_avals] == want_outs
+        calls = _custom_calls(exp.mlir_module())
+        assert len(calls) == 1 and "@jax_sdpa_cuda_fwd(" in calls[0], calls
+        results = calls[0].rsplit("->", 1)[1]
+        types = re.findall(r"tensor<([^>]*)>", results)
+        assert len(types) == 3, results
+        assert types[0] == "x".join(map(str, out_shape)) + "xbf16"
+        assert types[1] == "x".join(map(str, lse_shape)) + "xf32"
+        assert types[2] == f"{want_ws}xui8"
