@@ -339,8 +339,9 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (plan.num_splits > 1 && !plan.fused_combine) {
-    const int64_t items = rows * (p.head_dim_v / 4);  // one thread per 4 dv of a row
-    k.combine(a, dim3(static_cast<unsigned>((items + 127) / 128)), stream);
+    // kCombineLanes threads per (row, 4 dv) item, 128 threads a block.
+    const int64_t threads = rows * (p.head_dim_v / 4) * kCombineLanes;
+    k.combine(a, dim3(static_cast<unsigned>((threads + 127) / 128)), stream);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

@@ -147,33 +147,44 @@ __device__ __forceinline__ float masked_score(const Args& a, float s2, int j, in
   return s2;
 }
 
-// Final normalization of one output element (+ lse once per row): folds in the
-// sink, gives 0 / -inf for rows with nothing (or past q_length).
-// M, L, o: log2-domain max, sum of exp2(s - M), unnormalized output.
-template <typename T>
-__device__ __forceinline__ void finalize_write(const Args& a, int b, int h, int i, int qlen,
-                                               float M, float L, float o, int dv,
-                                               int64_t grow) {
-  const bool valid = i < qlen;
-  const float sk =
-      (valid && a.sinks != nullptr) ? a.sinks[b * a.sinks_bs + h] * kLog2e : -INFINITY;
+// A row's output scale and lse from its log2-domain max M and sum L = sum exp2(s - M):
+// folds in the sink; scale = 0 and lse = -inf for a row with nothing visible or past
+// q_length. out = (unnormalized o) * scale.
+__device__ __forceinline__ void row_normalizer(const Args& a, int b, int h, int i, int qlen,
+                                               float M, float L, float* scale, float* lse) {
+  *scale = 0.f;
+  *lse = -INFINITY;
+  if (i >= qlen) return;
+  const float sk = a.sinks != nullptr ? a.sinks[b * a.sinks_bs + h] * kLog2e : -INFINITY;
   const float M2 = fmaxf(M, sk);
-  float outv = 0.f, lsev = -INFINITY;
-  if (valid && M2 != -INFINITY) {
-    const float fo = (M == -INFINITY) ? 0.f : exp2f(M - M2);
-    const float L2 = L * fo + exp2f(sk - M2);
-    if (L2 > 0.f) {
-      outv = __fdividef(o * fo, L2);  // L2 in [tiny, 2^32]: no IEEE slow-path call
-      lsev = (M2 + log2f(L2)) * kLn2;
-    }
+  if (M2 == -INFINITY) return;
+  const float fo = (M == -INFINITY) ? 0.f : exp2f(M - M2);
+  const float L2 = L * fo + exp2f(sk - M2);
+  if (L2 > 0.f) {
+    *scale = __fdividef(fo, L2);  // L2 in [tiny, 2^32]: no IEEE slow-path call
+    *lse = (M2 + log2f(L2)) * kLn2;
   }
-  T* out = reinterpret_cast<T*>(a.out);
-  out[b * a.os[0] + h * a.os[1] + i * a.os[2] + dv] = from_float<T>(outv);
-  if (dv == 0) a.lse[grow] = lsev;
 }
 
-// Shared-memory layout used after the key loop to merge the block's warps.
-// red_m/red_l: [W][16]; red_o: [W][16][DV].
+// Four consecutive outputs (dst 4-element aligned: every built Dv is a multiple of 4).
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 o) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(dst) = o;
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+  }
+}
+
+__device__ __forceinline__ int64_t out_offset(const Args& a, int b, int h, int i) {
+  return b * a.os[0] + h * a.os[1] + i * a.os[2];
+}
+
+// Merges the block's warps after the key loop. Shared memory: red_m/red_l [W][16],
+// red_o [W][16][DV] (each warp's max, sum and unnormalized output per row).
+// One thread per row first folds the warps' max/sum (and the sink, or the split's
+// lse) into per-warp coefficients, so that the wide pass over the block's RB x DV
+// outputs is W float4 loads and FMAs per 4 outputs.
 template <typename T, int DV, int W>
 __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, int b,
                                              int kvh, int r0, int split, int qlen) {
@@ -181,33 +192,67 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
   const float* red_l = red + W * 16;
   const float* red_o = red + 2 * W * 16;
   const int nthreads = W * 32;
-  for (int idx = threadIdx.x; idx < RB * DV; idx += nthreads) {
-    const int rr = idx / DV, dv = idx - rr * DV;
-    const int r = r0 + rr;
-    if (r >= a.R) continue;
-    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
-    float M = -INFINITY;
+  __shared__ float s_coef[16][W];
+  __shared__ int64_t s_dst[16];  // element offset of the row's dv 0 in out / part_o; -1: none
+  if (threadIdx.x < RB) {
+    const int rr = threadIdx.x, r = r0 + rr;
+    int64_t dst = -1;
+    float f[W];
 #pragma unroll
-    for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
-    float L = 0.f, o = 0.f;
-    if (M != -INFINITY) {
+    for (int w = 0; w < W; ++w) f[w] = 0.f;
+    if (r < a.R) {
+      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+      float M = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float mw = red_m[w * 16 + rr];
-        if (mw == -INFINITY) continue;
-        const float f = exp2f(mw - M);
-        L += f * red_l[w * 16 + rr];
-        o += f * red_o[(w * 16 + rr) * DV + dv];
+      for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
+      float L = 0.f;
+      if (M != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const float mw = red_m[w * 16 + rr];
+          f[w] = mw == -INFINITY ? 0.f : exp2f(mw - M);
+          L += f[w] * red_l[w * 16 + rr];
+        }
       }
+      float scale, lse;
+      if (a.nsplit == 1) {
+        row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
+        a.lse[grow] = lse;
+        dst = out_offset(a, b, h, i);
+      } else {
+        const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
+        scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
+        a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+        dst = pr * DV;
+      }
+#pragma unroll
+      for (int w = 0; w < W; ++w) f[w] *= scale;
     }
-    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
-    if (a.nsplit == 1) {
-      finalize_write<T>(a, b, h, i, qlen, M, L, o, dv, grow);
-    } else {
-      const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
-      a.part_o[pr * DV + dv] = L > 0.f ? __fdividef(o, L) : 0.f;
-      if (dv == 0) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) s_coef[rr][w] = f[w];
+    s_dst[rr] = dst;
+  }
+  __syncthreads();
+  constexpr int DV4 = DV / 4;
+  for (int idx = threadIdx.x; idx < RB * DV4; idx += nthreads) {
+    const int rr = idx / DV4, c = idx - rr * DV4;
+    const int64_t dst = s_dst[rr];
+    if (dst < 0) continue;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float cw = s_coef[rr][w];
+      const float4 x = *reinterpret_cast<const float4*>(red_o + (w * 16 + rr) * DV + 4 * c);
+      o.x = fmaf(cw, x.x, o.x);
+      o.y = fmaf(cw, x.y, o.y);
+      o.z = fmaf(cw, x.z, o.z);
+      o.w = fmaf(cw, x.w, o.w);
     }
+    if (a.nsplit == 1)
+      store4<T>(reinterpret_cast<T*>(a.out) + dst + 4 * c, o);
+    else
+      *reinterpret_cast<float4*>(a.part_o + dst + 4 * c) = o;
   }
   if (a.nsplit == 1 || a.counters == nullptr) return;
 
@@ -261,7 +306,6 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
     }
   }
   __syncthreads();
-  constexpr int DV4 = DV / 4;
   for (int idx = threadIdx.x; idx < RB * DV4; idx += nthreads) {
     const int rr = idx / DV4, c = idx - rr * DV4;
     const int r = r0 + rr;
@@ -281,11 +325,11 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
       o.z = fmaf(wgt, x.z, o.z);
       o.w = fmaf(wgt, x.w, o.w);
     }
-    const float M = rowM[rr], L = rowL[rr];
-    finalize_write<T>(a, b, h, i, qlen, M, L, o.x, 4 * c + 0, grow);
-    finalize_write<T>(a, b, h, i, qlen, M, L, o.y, 4 * c + 1, grow);
-    finalize_write<T>(a, b, h, i, qlen, M, L, o.z, 4 * c + 2, grow);
-    finalize_write<T>(a, b, h, i, qlen, M, L, o.w, 4 * c + 3, grow);
+    float scale, lse;
+    row_normalizer(a, b, h, i, qlen, rowM[rr], rowL[rr], &scale, &lse);
+    if (c == 0) a.lse[grow] = lse;
+    store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
+              make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
   }
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;  // ready for the next call on this stream
 }
@@ -314,30 +358,57 @@ __device__ __forceinline__ void split_range(const Args& a, int b, int kvh, int r
   if (*ks1 < *ks0) *ks1 = *ks0;
 }
 
+// Copies 16 rows (keys j0..j0+15) of C 16-byte chunks each into smem rows of P
+// elements; rows >= jend are zero-filled (never read: a fixed-size cache may hold
+// garbage past its length). When a warp's 32 lanes tile whole rows (32 % C == 0) or
+// a row is whole warps (C % 32 == 0), each lane keeps one source pointer and steps it
+// by a constant: a few instructions per 16-byte copy instead of an index division and
+// a 64-bit multiply each.
+template <typename T, int C, int P>
+__device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int j0, int jend,
+                                          int lane) {
+  constexpr int EPV = 16 / sizeof(T);
+  if constexpr (32 % C == 0) {
+    constexpr int KPI = 32 / C;  // keys per warp-wide step
+    const int key0 = lane / C, c = lane % C;
+    const T* src = base + static_cast<int64_t>(j0 + key0) * st + c * EPV;
+    T* d = dst + key0 * P + c * EPV;
+#pragma unroll
+    for (int m = 0; m < kTileKeys / KPI; ++m) {
+      const bool ok = j0 + key0 + m * KPI < jend;
+      cp_async16(d + m * KPI * P, ok ? src : base, ok);
+      src += KPI * st;
+    }
+  } else if constexpr (C % 32 == 0) {
+    const T* src = base + static_cast<int64_t>(j0) * st + lane * EPV;
+    T* d = dst + lane * EPV;
+#pragma unroll 4
+    for (int key = 0; key < kTileKeys; ++key) {
+      const bool ok = j0 + key < jend;
+#pragma unroll
+      for (int q = 0; q < C / 32; ++q)
+        cp_async16(d + key * P + 32 * q * EPV, ok ? src + 32 * q * EPV : base, ok);
+      src += st;
+    }
+  } else {
+#pragma unroll 4
+    for (int idx = lane; idx < kTileKeys * C; idx += 32) {
+      const int key = idx / C, c = idx - key * C;
+      const int j = j0 + key;
+      const bool ok = j < jend;
+      cp_async16(dst + key * P + c * EPV, base + (ok ? j * st : 0) + c * EPV, ok);
+    }
+  }
+}
+
 // Issues the cp.async copies of one 16-key tile of K (D wide) and V (DV wide)
-// into a ring stage [16][DP] + [16][DVP]; keys >= jend are zero-filled (never
-// read: a fixed-size cache may hold garbage past its length).
+// into a ring stage [16][DP] + [16][DVP].
 template <typename T, int D, int DV, int DP, int DVP>
 __device__ __forceinline__ void load_tile(T* stage, const T* kbase, const T* vbase, int64_t kst,
                                           int64_t vst, int j0, int jend, int lane) {
   constexpr int EPV = 16 / sizeof(T);
-  constexpr int KC = D / EPV, VC = DV / EPV;
-  T* Ks = stage;
-  T* Vs = stage + kTileKeys * DP;
-#pragma unroll 4
-  for (int idx = lane; idx < kTileKeys * KC; idx += 32) {
-    const int key = idx / KC, c = idx - key * KC;
-    const int j = j0 + key;
-    const bool ok = j < jend;
-    cp_async16(Ks + key * DP + c * EPV, kbase + (ok ? j * kst : 0) + c * EPV, ok);
-  }
-#pragma unroll 4
-  for (int idx = lane; idx < kTileKeys * VC; idx += 32) {
-    const int key = idx / VC, c = idx - key * VC;
-    const int j = j0 + key;
-    const bool ok = j < jend;
-    cp_async16(Vs + key * DVP + c * EPV, vbase + (ok ? j * vst : 0) + c * EPV, ok);
-  }
+  load_rows<T, D / EPV, DP>(stage, kbase, kst, j0, jend, lane);
+  load_rows<T, DV / EPV, DVP>(stage + kTileKeys * DP, vbase, vst, j0, jend, lane);
 }
 
 // ---- bf16 / fp16: tensor cores -------------------------------------------------
@@ -456,13 +527,16 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
     // [32c + 8t, +8) of Q rows g, g+8 and K keys g, g+8; elements {0..3} feed the
     // first k16 step and {4..7} the second, so logical k = 2t, 2t+1, 2t+8, 2t+9
     // map to physical 32c + 8t + {0,1,2,3} (+4), identically for A and B.
-    float s[2][4];
+    // Two accumulator sets (even / odd chunks) halve the dependent mma chain (D512:
+    // 32 -> 16 deep), which bounds a warp's tile time at one warp per scheduler.
+    float s[2][4], s_odd[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+      for (int e = 0; e < 4; ++e) s[n][e] = s_odd[n][e] = 0.f;
 #pragma unroll
     for (int c = 0; c < NKC; ++c) {
+      float(&sc)[2][4] = (c & 1) ? s_odd : s;
       const int d = 32 * c + 8 * t;
       uint4 qa = make_uint4(0, 0, 0, 0), qb = qa, k0 = qa, k1 = qa;
       if (32 * c + 32 <= D || d < D) {
@@ -471,11 +545,15 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
         k0 = *reinterpret_cast<const uint4*>(Ks + g * DP + d);
         k1 = *reinterpret_cast<const uint4*>(Ks + (g + 8) * DP + d);
       }
-      mma16816<T>(s[0], qa.x, qb.x, qa.y, qb.y, k0.x, k0.y);
-      mma16816<T>(s[1], qa.x, qb.x, qa.y, qb.y, k1.x, k1.y);
-      mma16816<T>(s[0], qa.z, qb.z, qa.w, qb.w, k0.z, k0.w);
-      mma16816<T>(s[1], qa.z, qb.z, qa.w, qb.w, k1.z, k1.w);
+      mma16816<T>(sc[0], qa.x, qb.x, qa.y, qb.y, k0.x, k0.y);
+      mma16816<T>(sc[1], qa.x, qb.x, qa.y, qb.y, k1.x, k1.y);
+      mma16816<T>(sc[0], qa.z, qb.z, qa.w, qb.w, k0.z, k0.w);
+      mma16816<T>(sc[1], qa.z, qb.z, qa.w, qb.w, k1.z, k1.w);
     }
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] += s_odd[n][e];
 
     // s[n][e]: row g (e < 2) or g + 8, key j0 + 8n + 2t + (e & 1).
     float mxA = -INFINITY, mxB = -INFINITY;
@@ -530,8 +608,9 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
     if (NT == 2) lB = lB * alB + sumB;
 
     // Rescale O^T: its columns are query rows 2t, 2t+1 (+8 for the second n-tile);
-    // their alphas live in lanes 4 * row.
-    {
+    // their alphas live in lanes 4 * row. Skipped (warp-uniform) once no row's max
+    // moves, the common case after the first tiles.
+    if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {
       const float a0 = __shfl_sync(0xffffffffu, alA, (2 * t) * 4);
       const float a1 = __shfl_sync(0xffffffffu, alA, (2 * t + 1) * 4);
       float b0 = 1.f, b1 = 1.f;
@@ -839,18 +918,25 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
 
 // ---- split-K combine ---------------------------------------------------------------
 // Separate combine (launched after the main kernel when the fused merge would be
-// long for one block: many splits x wide rows, e.g. D512 at small batch). One
-// thread per (output row, 4 dv): it reads the nsplit lse values of its row (all
-// loads independent, L1-shared by the row's threads) and the nsplit float4
-// partials with 8 in flight, so the whole grid streams the partials in a few
-// L2 round trips instead of one block looping over all of them.
+// long for one block: many splits x wide rows, e.g. D512 at small batch).
+// kCombineLanes adjacent threads share one (output row, 4 dv) item, each merging
+// every kCombineLanes-th split, then reduce with shuffles: at 33 splits a thread
+// has 9 partials to load instead of 33, all independent, so the grid streams the
+// partials in a couple of L2 round trips.
+constexpr int kCombineLanes = 4;
+
 template <typename T, int DV>
-__global__ void __launch_bounds__(128, 8) combine_kernel(const Args a) {
+__global__ void __launch_bounds__(128, 4) combine_kernel(const Args a) {
   constexpr int DV4 = DV / 4;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (item >= a.rows * DV4) return;
-  const int grow32 = static_cast<int>(item / DV4);  // rows < 2^31 (checked on the host)
-  const int c = static_cast<int>(item - static_cast<int64_t>(grow32) * DV4);
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int part = static_cast<int>(tid % kCombineLanes);
+  const int64_t item = tid / kCombineLanes;
+  // Threads past the last item stay for the warp-wide shuffles below and merge
+  // nothing (item clamped to a valid one, nsplit loop skipped, no write).
+  const bool active = item < a.rows * DV4;
+  const int64_t item_c = active ? item : 0;
+  const int grow32 = static_cast<int>(item_c / DV4);  // rows < 2^31 (checked on the host)
+  const int c = static_cast<int>(item_c - static_cast<int64_t>(grow32) * DV4);
   const int64_t grow = grow32;
   const int i = grow32 % a.Lq;
   const int h = (grow32 / a.Lq) % a.Hq;
@@ -858,15 +944,14 @@ __global__ void __launch_bounds__(128, 8) combine_kernel(const Args a) {
   const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
   const float* lse = a.part_lse + grow;
   float M = -INFINITY;
-#pragma unroll 8
-  for (int sp = 0; sp < a.nsplit; ++sp) M = fmaxf(M, lse[sp * a.rows]);
+  for (int sp = 0; active && sp < a.nsplit; ++sp) M = fmaxf(M, lse[sp * a.rows]);
   float L = 0.f;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   if (M != -INFINITY) {
     const float* src = a.part_o + grow * DV + 4 * c;
     const int64_t sstride = a.rows * DV;
-#pragma unroll 8
-    for (int sp = 0; sp < a.nsplit; ++sp) {
+#pragma unroll 4
+    for (int sp = part; sp < a.nsplit; sp += kCombineLanes) {
       const float ls = lse[sp * a.rows];
       const float4 x = *reinterpret_cast<const float4*>(src + sp * sstride);
       const float wgt = ls == -INFINITY ? 0.f : exp2f(ls - M);
@@ -877,10 +962,20 @@ __global__ void __launch_bounds__(128, 8) combine_kernel(const Args a) {
       o.w = fmaf(wgt, x.w, o.w);
     }
   }
-  finalize_write<T>(a, b, h, i, qlen, M, L, o.x, 4 * c + 0, grow);
-  finalize_write<T>(a, b, h, i, qlen, M, L, o.y, 4 * c + 1, grow);
-  finalize_write<T>(a, b, h, i, qlen, M, L, o.z, 4 * c + 2, grow);
-  finalize_write<T>(a, b, h, i, qlen, M, L, o.w, 4 * c + 3, grow);
+#pragma unroll
+  for (int off = 1; off < kCombineLanes; off <<= 1) {
+    L += __shfl_xor_sync(0xffffffffu, L, off);
+    o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
+    o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
+    o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
+    o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
+  }
+  if (!active || part != 0) return;
+  float scale, lse_out;
+  row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse_out);
+  if (c == 0) a.lse[grow] = lse_out;
+  store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
+            make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
 }
 
 }  // namespace cuda_decode
