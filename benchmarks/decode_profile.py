@@ -31,10 +31,10 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 # Knob settings per row (JAX_SDPA_CUDA_DECODE_*; {} = the defaults), then the peers.
 VARIANTS = {
-    0: [{}, {"CFG": "8,2"}, {"CFG": "3,3"}, {"CFG": "2,4"}],
-    1: [{}, {"CFG": "8,2"}, {"SPLITS": "16"}, {"CFG": "3,3"}],
-    2: [{}, {"CFG": "2,3"}, {"CFG": "4,1"}, {"COMBINE": "fused"}],
-    3: [{}, {"CFG": "4,1"}, {"CFG": "2,2"}, {"COMBINE": "fused"}],
+    0: [{}, {"CFG": "8,2"}, {"CFG": "3,3"}],
+    1: [{}, {"COMBINE": "kernel"}, {"SPLITS": "16"}, {"CFG": "8,2"}],
+    2: [{}, {"CFG": "2,3"}, {"CFG": "4,1"}],
+    3: [{}, {"CFG": "4,1"}, {"CFG": "2,2"}],
     4: [{}, {"CFG": "8,2"}, {"CFG": "3,3"}],
 }
 
