@@ -30,12 +30,12 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 
 # Knob settings per row (JAX_SDPA_CUDA_DECODE_*; {} = the defaults), then the peers.
-VARIANTS = {
-    0: [{}, {"CFG": "8,2"}, {"CFG": "3,3"}],
-    1: [{}, {"COMBINE": "kernel"}, {"SPLITS": "16"}, {"CFG": "8,2"}],
-    2: [{}, {"CFG": "2,3"}, {"CFG": "4,1"}],
-    3: [{}, {"CFG": "4,1"}, {"CFG": "2,2"}],
-    4: [{}, {"CFG": "8,2"}, {"CFG": "3,3"}],
+VARIANTS = {  # SPLITS=4 / 33: the split counts of the previous heuristic (slots = SMs x 2)
+    0: [{}, {"SPLITS": "4"}, {"CFG": "8,2"}],
+    1: [{}, {"SPLITS": "33"}, {"COMBINE": "kernel"}],
+    2: [{}, {"CFG": "3,2"}, {"CFG": "2,3"}],
+    3: [{}, {"CFG": "3,2"}, {"CFG": "2,2"}],
+    4: [{}, {"CFG": "3,3"}],
 }
 
 

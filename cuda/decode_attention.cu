@@ -99,8 +99,12 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
 // Split count: fill the GPU with one wave of equal blocks. Efficiency of n
 // splits = useful fraction of the block slots over the waves it takes; take
 // more splits only for a clear gain (each adds partial traffic + a combine).
+// The slots are the SMs, not SMs x resident blocks: one block per SM with twice
+// the keys beat two half-length ones on the H200 (B8 H32/KV8 Lk8192 D128: 2 splits
+// +7% over 4; B1 Lk32768: 16 splits +10% over 33), the second resident block
+// still overlapping the first one's epilogue where the grid has more blocks.
 // min_keys: least keys per split (enough bytes per block to amortize its start
-// and its partial, and >= 2 tiles per warp).
+// and its partial, and >= 1 tile per warp).
 int choose_splits(int64_t units, int64_t len_kv, int slots, int64_t min_keys) {
   const int64_t max_split =
       std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, len_kv / std::max<int64_t>(1, min_keys)));
@@ -194,8 +198,8 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want_w, want_s);
   if (k.func == nullptr) return cudaErrorInvalidValue;
-  // D512's default W3 S2 needs 217 KB of smem (H100/H200: 227 KB a block); an A100
-  // (163 KB) gets the 150 KB variants.
+  // A kernel past the device's smem limit (an A100 has 163 KB a block) falls back to
+  // the 150 KB D512 variants.
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
     if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
     KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second);
@@ -218,7 +222,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   int64_t min_keys = std::max<int64_t>(16 * k.warps, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0 ? force_splits
-                           : snap_splits(choose_splits(units, p.len_kv, f.sms * occ, min_keys),
+                           : snap_splits(choose_splits(units, p.len_kv, f.sms, min_keys),
                                          p.len_kv);
   // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
   const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);

@@ -70,14 +70,16 @@ KernelInfo tc_info() {
 // K and V per warp: bytes in flight per SM = blocks/SM x W x (S - 1..S) tiles.
 //   D + Dv <= 256 (D128 bf16: 9.3 KB a stage): W4 S2, 81 KB -> 2 blocks/SM.
 //   D + Dv <= 512 (D256: 17.7 KB a stage): W4 S1, 80 KB -> 2 blocks/SM.
-//   D512 (34 KB a stage): W3 S2, 217 KB -> 1 block/SM; its S1 (W4) predecessor
-//   had no copy in flight while a warp computed.
+//   D512 (34 KB a stage): W4 S1, 150 KB -> 1 block/SM. Four warps without a copy in
+//   flight while they compute beat three with one (W3 S2, 217 KB) on the H200 since the
+//   epilogue rewrite: B1 H32/KV4 Lk8192 47.4 vs 50.6 us a call, Lk1024 fp16 26.9 vs
+//   34.8 (benchmarks/results/decode_profile_*).
 // Variants (JAX_SDPA_CUDA_DECODE_CFG=W,S, for the sweep in benchmarks/gpu_decode.py)
 // are built for D = Dv = 128 and 512 only (compile time); elsewhere the default.
 template <int D, int DV>
 struct TcDefault {
-  static constexpr int W = (D + DV <= 512) ? 4 : 3;
-  static constexpr int S = (D + DV <= 256) ? 2 : ((D + DV <= 512) ? 1 : 2);
+  static constexpr int W = 4;
+  static constexpr int S = (D + DV <= 256) ? 2 : 1;
 };
 
 template <typename T, int D, int DV, int NT>
@@ -93,8 +95,8 @@ KernelInfo tc_select(int w, int s) {
     if (w == 8 && s == 2) return tc_info<T, D, DV, NT, 8, 2>();
   }
   if constexpr (D == 512 && DV == 512) {
-    // smem (KB) / blocks per SM: W4S1 150/1 (the old default), W2S2 150/1, W2S3 217/1.
-    if (w == 4 && s == 1) return tc_info<T, D, DV, NT, 4, 1>();
+    // smem (KB) / blocks per SM: W3S2 217/1, W2S2 150/1, W2S3 217/1.
+    if (w == 3 && s == 2) return tc_info<T, D, DV, NT, 3, 2>();
     if (w == 2 && s == 2) return tc_info<T, D, DV, NT, 2, 2>();
     if (w == 2 && s == 3) return tc_info<T, D, DV, NT, 2, 3>();
   }
