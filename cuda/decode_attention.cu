@@ -96,18 +96,22 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
   return cudaSuccess;
 }
 
-// Split count: fill the GPU with one wave of equal blocks. Efficiency of n
-// splits = useful fraction of the block slots over the waves it takes; take
-// more splits only for a clear gain (each adds partial traffic + a combine).
-// The slots are the SMs, not SMs x resident blocks: one block per SM with twice
-// the keys beat two half-length ones on the H200 (B8 H32/KV8 Lk8192 D128: 2 splits
-// +7% over 4; B1 Lk32768: 16 splits +10% over 33), the second resident block
-// still overlapping the first one's epilogue where the grid has more blocks.
-// min_keys: least keys per split (enough bytes per block to amortize its start
-// and its partial, and >= 1 tile per warp).
-int choose_splits(int64_t units, int64_t len_kv, int slots, int64_t min_keys) {
+// Split count. min_keys: least keys per split (enough bytes per block to amortize its
+// start and its partial, and >= 1 tile per warp).
+// - A kernel that keeps copies in flight (stages >= 2) runs best as one block per SM:
+//   the most splits that keep units x n within one wave of the SMs. Measured on the
+//   H200: B8 H32/KV8 Lk8192 D128 2 splits +7% over 4; B1 Lk32768 16 splits +10% over 33.
+// - A kernel without (stages == 1: fp32, D256, D512) hides its load latency with
+//   several resident blocks: fill one wave of SMs x resident blocks, taking more
+//   splits only for a clear gain in the useful fraction of the slots (each split adds
+//   partial traffic and combine work).
+int choose_splits(int64_t units, int64_t len_kv, int sms, int blocks_per_sm, int stages,
+                  int64_t min_keys) {
   const int64_t max_split =
       std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, len_kv / std::max<int64_t>(1, min_keys)));
+  if (stages >= 2)
+    return static_cast<int>(std::min<int64_t>(max_split, std::max<int64_t>(1, sms / units)));
+  const int64_t slots = static_cast<int64_t>(sms) * blocks_per_sm;
   auto eff = [&](int64_t n) {
     const double waves = static_cast<double>(units * n) / slots;
     return waves / std::ceil(waves);
@@ -222,7 +226,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   int64_t min_keys = std::max<int64_t>(16 * k.warps, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0 ? force_splits
-                           : snap_splits(choose_splits(units, p.len_kv, f.sms, min_keys),
+                           : snap_splits(choose_splits(units, p.len_kv, f.sms, occ, k.stages, min_keys),
                                          p.len_kv);
   // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
   const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);
