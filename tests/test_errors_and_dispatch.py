@@ -309,6 +309,10 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=40), "fwd", "xla"),
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=40), "fwd", "xla"),  # decode can't: not flash
     (dict(dtype="bfloat16", b=4, hq=32, hk=4, lq=1, lk=4096, d=128), "fwd", "cuda"),  # R=8
+    # cuDNN serves these: ours for 4 < R <= 32 (measured crossover), cuDNN otherwise
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=4096, d=128), "fwd", "cudnn"),  # R=4
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=8, lk=4096, d=128), "fwd", "cuda"),  # R=32
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=16, lk=4096, d=128), "fwd", "cudnn"),  # R=64
 ])
 def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
     dispatch = fake_h200
