@@ -53,17 +53,8 @@ int combine_mode() {
 // workspace result after lse.
 template <typename Binding>
 auto bind_decode_fwd(Binding binding) {
-  return bind_sdpa_attrs(std::move(binding)
-                             .template Arg<ffi::AnyBuffer>()   // q
-                             .template Arg<ffi::AnyBuffer>()   // k
-                             .template Arg<ffi::AnyBuffer>()   // v
-                             .template Arg<ffi::AnyBuffer>()   // mask
-                             .template Arg<ffi::AnyBuffer>()   // sinks
-                             .template Arg<ffi::AnyBuffer>()   // q_lengths
-                             .template Arg<ffi::AnyBuffer>()   // kv_lengths
-                             .template Ret<ffi::AnyBuffer>()   // out
-                             .template Ret<ffi::AnyBuffer>()   // lse
-                             .template Ret<ffi::AnyBuffer>());  // workspace (uint8)
+  return bind_sdpa_attrs(
+      bind_sdpa_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());  // workspace
 }
 
 ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

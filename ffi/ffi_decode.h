@@ -55,18 +55,25 @@ auto bind_sdpa_attrs(Binding binding) {
 // The complete bindings of the two custom calls -- operands, results and attributes in
 // the contract's order -- appended to whatever context a handler binds first
 // (e.g. ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()).
+// The forward's operands and its two contract results (a handler with extra results, such
+// as the decode kernel's workspace, appends them before the attributes).
+template <typename Binding>
+auto bind_sdpa_fwd_buffers(Binding&& binding) {  // by reference: Binding can't be moved
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()   // q
+      .template Arg<ffi::AnyBuffer>()   // k
+      .template Arg<ffi::AnyBuffer>()   // v
+      .template Arg<ffi::AnyBuffer>()   // mask
+      .template Arg<ffi::AnyBuffer>()   // sinks
+      .template Arg<ffi::AnyBuffer>()   // q_lengths
+      .template Arg<ffi::AnyBuffer>()   // kv_lengths
+      .template Ret<ffi::AnyBuffer>()   // out
+      .template Ret<ffi::AnyBuffer>();  // lse
+}
+
 template <typename Binding>
 auto bind_sdpa_fwd(Binding binding) {
-  return bind_sdpa_attrs(std::move(binding)
-                             .template Arg<ffi::AnyBuffer>()   // q
-                             .template Arg<ffi::AnyBuffer>()   // k
-                             .template Arg<ffi::AnyBuffer>()   // v
-                             .template Arg<ffi::AnyBuffer>()   // mask
-                             .template Arg<ffi::AnyBuffer>()   // sinks
-                             .template Arg<ffi::AnyBuffer>()   // q_lengths
-                             .template Arg<ffi::AnyBuffer>()   // kv_lengths
-                             .template Ret<ffi::AnyBuffer>()   // out
-                             .template Ret<ffi::AnyBuffer>());  // lse
+  return bind_sdpa_attrs(bind_sdpa_fwd_buffers(std::move(binding)));
 }
 
 template <typename Binding>
