@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_decode as gd  # noqa: E402
@@ -76,41 +75,13 @@ def _device_events(trace_dir):
     return events
 
 
-def _rolled_loop_fn(fn, K):
-    """gd._loop_fn without unrolling: one while loop of K trips (XLA may run it as one
-    CUDA graph when every op of the body can be captured)."""
-
-    def run(q, *rest):
-        def body(_, q):
-            out = fn(q, *rest)
-            return q + (out.reshape(-1)[0] * 1e-30).astype(q.dtype)
-
-        return jax.lax.fori_loop(0, K, body, q)
-
-    return jax.jit(run)
-
-
-def _wall(f, args, K, reps=5):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / K
-
-
 def profile_one(name, fn, args, K, reps=3):
     f = gd._loop_fn(fn, K)
     hlo = f.lower(*args).compile().as_text()
-    rolled_us = _wall(_rolled_loop_fn(fn, 4 * K), args, 4 * K) * 1e6
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        jax.block_until_ready(f(*args))
-    wall = (time.perf_counter() - t0) / (reps * K)
+    # One while loop of 4K trips (XLA may run it as one CUDA graph when every op of the
+    # body can be captured).
+    rolled_us = gd._time_compiled(gd._loop_fn(fn, 4 * K, unroll=False), args, 4 * K) * 1e6
+    wall = gd._time_compiled(f, args, K)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(reps):

@@ -326,16 +326,16 @@ def run_check(seed=0, verbose=True, quick=False):
 # ---------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------
-def _loop_fn(fn, K):
+def _loop_fn(fn, K, unroll=True):
     """jit of K dependent calls of fn(q, *rest) -> out (a tiny function of out is fed
-    back into q), unrolled."""
+    back into q), unrolled (or one while loop of K trips: unroll=False)."""
 
     def run(q, *rest):  # k, v are arguments, never captured constants
         def body(_, q):
             out = fn(q, *rest)
             return q + (out.reshape(-1)[0] * 1e-30).astype(q.dtype)
 
-        return jax.lax.fori_loop(0, K, body, q, unroll=True)
+        return jax.lax.fori_loop(0, K, body, q, unroll=True if unroll else 1)
 
     return jax.jit(run)
 
@@ -352,14 +352,7 @@ def _time_compiled(f, args, K, reps=5):
 
 def _time_loop(fn, args, K, reps=5):
     """K dependent calls of fn unrolled in one jit; returns median seconds per call."""
-    f = _loop_fn(fn, K)
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / K
+    return _time_compiled(_loop_fn(fn, K), args, K, reps)
 
 
 def copy_bandwidth(nbytes=4 << 30):
