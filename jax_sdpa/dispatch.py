@@ -212,11 +212,19 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
     return _ok("our decode kernel (split-K over the kv cache; fp32 exact)")
 
 
-# The decode kernel's workspace (the third, uint8 result of jax_sdpa_cuda_fwd: split-K
+# The decode kernel's FFI target (forward only) and the flash kernels' targets.
+CUDA_DECODE_TARGET = "jax_sdpa_cuda_fwd"
+
+
+def _cuda_target(kernel: str, direction: str) -> str:
+    return CUDA_DECODE_TARGET if kernel == "decode" else f"jax_sdpa_cuda_flash_{direction}"
+
+
+# The decode kernel's workspace (the third, uint8 result of CUDA_DECODE_TARGET: split-K
 # partials + the fused combine's counters, allocated by XLA so that the call can be
 # captured in a CUDA graph). Mirrors make_plan / choose_splits in cuda/decode_attention.cu,
 # whose split count is at most min(256, len_kv / min_keys, 2 * slots / units + 2) with
-# min_keys >= 32 (2 tiles of 16 keys per warp, rounded to 16) and slots = SMs x resident
+# min_keys >= 32 (one 16-key tile per warp, >= 2 warps) and slots <= SMs x resident
 # blocks; make_plan lowers the count to what fits when a workspace is smaller.
 CUDA_DECODE_MAX_SPLITS = 256
 CUDA_DECODE_SLOTS_BOUND = 160 * 4  # a generous bound on SMs x resident blocks per SM
@@ -291,10 +299,10 @@ def cuda_kernel(cfg: Config, direction: str):
     (and every backward)."""
     decode_ok, decode_why = cuda_decode_serves(cfg, direction)
     if decode_ok:
-        return "decode", f"{decode_why} [jax_sdpa_cuda_{direction}]"
+        return "decode", f"{decode_why} [{_cuda_target('decode', direction)}]"
     flash_ok, flash_why = cuda_flash_serves(cfg, direction)
     if flash_ok:
-        return "flash", (f"{flash_why} [jax_sdpa_cuda_flash_{direction}]; not the decode "
+        return "flash", (f"{flash_why} [{_cuda_target('flash', direction)}]; not the decode "
                          f"kernel: {decode_why}")
     return None, f"{flash_why}; and {decode_why}"
 
@@ -411,6 +419,5 @@ def ffi_target(name: str, direction: str, cfg: Optional[Config] = None) -> str:
         if kernel is None:
             raise NotImplementedError(f"jax_sdpa: implementation='cuda' can't serve this "
                                       f"call: {why}")
-        return f"jax_sdpa_cuda_{direction}" if kernel == "decode" else \
-            f"jax_sdpa_cuda_flash_{direction}"
+        return _cuda_target(kernel, direction)
     return f"jax_sdpa_{name}_{direction}"

@@ -190,7 +190,7 @@ def _lower(direction, platform):
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         target = dispatch.ffi_target(name, direction, cfg)
         attrs = _ffi_attrs(params, flags)
-        if target == DECODE_TARGET:
+        if target == dispatch.CUDA_DECODE_TARGET:
             return _lower_with_workspace(ctx, target, args, attrs,
                                          dispatch.cuda_decode_workspace_bytes(cfg))
         return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs)
@@ -198,15 +198,11 @@ def _lower(direction, platform):
     return rule
 
 
-# Our CUDA decode kernel's target: besides out and lse it returns a uint8 workspace
-# (split-K partials + counters, allocated by XLA so that the call is CUDA-graph capturable;
-# docs/ffi_contract.md), which the primitive drops.
-DECODE_TARGET = "jax_sdpa_cuda_fwd"
-
-
 def _lower_with_workspace(ctx, target, args, attrs, workspace_bytes):
     """The custom call with an extra 1-D uint8 result of `workspace_bytes`, dropped: the
-    primitive's results are the call's first ones."""
+    primitive's results are the call's first ones. Our CUDA decode kernel's target returns
+    such a workspace besides out and lse (split-K partials + counters, allocated by XLA so
+    that the call is CUDA-graph capturable; docs/ffi_contract.md)."""
     n_out = len(ctx.avals_out)
     workspace = jax.core.ShapedArray((int(workspace_bytes),), np.dtype(np.uint8))
     wide = ctx.replace(avals_out=[*ctx.avals_out, workspace])
