@@ -177,17 +177,17 @@ std::string unsupported_reason(const SdpaParams& p) {
   return "";
 }
 
-cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int combine_mode,
-                      size_t workspace_bytes, DecodePlan* plan) {
+cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
+                      DecodePlan* plan) {
   DeviceFacts f;
   cudaError_t e = device_facts(device, &f);
   if (e != cudaSuccess) return e;
-  // Per-call overrides (docs/cuda_decode.md); the arguments come from the handler.
-  force_splits = env_int("JAX_SDPA_CUDA_DECODE_SPLITS", force_splits);
+  // Per-call overrides (docs/cuda_decode.md).
+  const int force_splits = env_int("JAX_SDPA_CUDA_DECODE_SPLITS", 0);
+  enum class Combine { kAuto, kKernel, kFused } combine = Combine::kAuto;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_COMBINE")) {
-    if (std::strcmp(v, "kernel") == 0) combine_mode = 1;
-    else if (std::strcmp(v, "fused") == 0) combine_mode = 2;
-    else if (std::strcmp(v, "auto") == 0) combine_mode = 0;
+    if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
+    else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
   }
   int want_w = 0, want_s = 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
@@ -248,8 +248,8 @@ cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int com
   // do not fit, the separate combine kernel (no counters) merges instead.
   const bool fused_ok = n > 1 && workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
-  if (combine_mode == 2) fused = fused_ok;
-  else if (combine_mode == 0) fused = fused_ok && n * per_thread <= 48;
+  if (combine == Combine::kFused) fused = fused_ok;
+  else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48;
   plan->fused_combine = fused;
   plan->workspace = workspace_layout(p, n, units, fused);
   if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
@@ -325,8 +325,8 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   a.part_lse = nullptr;
   const int64_t units = p.batch * p.heads_kv * plan.row_chunks;
   if (plan.num_splits > 1) {
-    const WorkspaceLayout w = workspace_layout(p, plan.num_splits, units, plan.fused_combine);
-    if (workspace == nullptr || w.bytes != plan.workspace.bytes || w.bytes > workspace_bytes ||
+    const WorkspaceLayout& w = plan.workspace;
+    if (workspace == nullptr || w.bytes > workspace_bytes ||
         reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
       return cudaErrorInvalidValue;
     char* base = static_cast<char*>(workspace);

@@ -61,24 +61,22 @@ struct DecodePlan {
 // Empty when our kernels can serve `p`, else why not (shown to the user).
 std::string unsupported_reason(const SdpaParams& p);
 
-// Chooses splits / rows per block for the current device. `force_splits` > 0
-// overrides the heuristic (benchmarks, tests); `combine_mode` 0: default (auto:
-// fused when the last block's merge is short, else a separate combine kernel),
-// 1: always a separate combine kernel, 2: fused where possible. The split count
-// is lowered until the partials fit in `workspace_bytes` (1 split needs none),
-// and the fused combine becomes the separate kernel when its counters do not
-// fit. Returns a CUDA error on failure. Per-call environment overrides (read on
-// every call -- once per recording when XLA captures the call into a CUDA graph -- so one
-// process can time several settings, one executable each; docs/cuda_decode.md):
-//   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the argument / heuristic)
-//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel
+// Chooses splits / rows per block for the current device. The split count is lowered
+// until the partials fit in `workspace_bytes` (1 split needs none), and the fused combine
+// becomes the separate kernel when its counters do not fit. Returns a CUDA error on
+// failure. Per-call environment overrides (read on every call -- once per recording when
+// XLA captures the call into a CUDA graph -- so one process can time several settings, one
+// executable each; docs/cuda_decode.md):
+//   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the heuristic)
+//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel   how split partials merge (auto: fused
+//                                     when the last block's merge is short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation
 // (safe while XLA captures the stream into a CUDA graph).
-cudaError_t make_plan(const SdpaParams& p, int device, int force_splits, int combine_mode,
-                      size_t workspace_bytes, DecodePlan* plan);
+cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
+                      DecodePlan* plan);
 
 // Enqueues the kernels on `stream` (stream work only: a cudaMemsetAsync of the
 // counters when the combine is fused, the main kernel, the combine kernel).

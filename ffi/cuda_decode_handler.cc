@@ -11,7 +11,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -27,28 +26,6 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// Benchmarks may pin the split count: JAX_SDPA_CUDA_DECODE_SPLITS=n (0 = heuristic).
-int forced_splits() {
-  static const int n = [] {
-    const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_SPLITS");
-    return v ? std::atoi(v) : 0;
-  }();
-  return n;
-}
-
-// JAX_SDPA_CUDA_DECODE_COMBINE=kernel|fused: how split-K partials are merged
-// (default: fused, the last split block of each unit merges).
-int combine_mode() {
-  static const int m = [] {
-    const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_COMBINE");
-    if (v == nullptr) return 0;
-    if (std::string(v) == "kernel") return 1;
-    if (std::string(v) == "fused") return 2;
-    return 0;
-  }();
-  return m;
-}
-
 // bind_sdpa_fwd's binding (operands, out, lse, the contract's attributes) with the
 // workspace result after lse.
 template <typename Binding>
@@ -61,13 +38,7 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
-                       double scale, int64_t window_left,
-                       int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
-                       bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
-                       int64_t fp32_precision) {
-  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                     fp32_precision);
+                       SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers buf;
   if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
@@ -102,7 +73,7 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return cuda_error("cuda decode", "cudaGetDevice", e);
   cuda_decode::DecodePlan plan;
-  e = cuda_decode::make_plan(p, device, forced_splits(), combine_mode(), ws_bytes, &plan);
+  e = cuda_decode::make_plan(p, device, ws_bytes, &plan);
   if (e != cudaSuccess) return cuda_error("cuda decode", "planning the launch", e);
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
   e = cuda_decode::launch(p, buf, plan, ws_ptr, ws_bytes, stream);

@@ -47,12 +47,7 @@ ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                             ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            double scale, int64_t window_left, int64_t window_right,
-                            bool bottom_right, bool seq_major, bool has_mask, bool has_sinks,
-                            bool has_q_lengths, bool has_kv_lengths, int64_t fp32_precision) {
-  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                     fp32_precision);
+                            SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers buf;
   if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
@@ -78,12 +73,7 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
                             ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                            double scale, int64_t window_left, int64_t window_right,
-                            bool bottom_right, bool seq_major, bool has_mask, bool has_sinks,
-                            bool has_q_lengths, bool has_kv_lengths, int64_t fp32_precision) {
-  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                     fp32_precision);
+                            SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers buf;
   if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,

@@ -43,12 +43,7 @@ ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                    double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                    bool seq_major, bool has_mask, bool has_sinks, bool has_q_lengths,
-                    bool has_kv_lengths, int64_t fp32_precision) {
-  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                     fp32_precision);
+                    SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers b;
   if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
@@ -67,13 +62,7 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     ffi::AnyBuffer dout, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
-                    int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
-                    bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
-                    int64_t fp32_precision) {
-  const SdpaAttrs attrs = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                     has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                     fp32_precision);
+                    ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers b;
   if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,

@@ -36,25 +36,31 @@ struct SdpaAttrs {
 // Values of the fp32_precision attribute.
 enum : int64_t { kFp32PrecisionDefault = 0, kFp32PrecisionHighest = 1 };
 
-// Appends the attribute bindings, in the contract's order, to an ffi::Bind().
+}  // namespace jax_sdpa
+
+// The custom call's attribute dictionary decoded into SdpaAttrs by name (all ten, no
+// others): the handlers take one SdpaAttrs instead of ten parameters.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::SdpaAttrs,
+                                      xla::ffi::StructMember<double>("scale"),
+                                      xla::ffi::StructMember<int64_t>("window_left"),
+                                      xla::ffi::StructMember<int64_t>("window_right"),
+                                      xla::ffi::StructMember<bool>("bottom_right"),
+                                      xla::ffi::StructMember<bool>("seq_major"),
+                                      xla::ffi::StructMember<bool>("has_mask"),
+                                      xla::ffi::StructMember<bool>("has_sinks"),
+                                      xla::ffi::StructMember<bool>("has_q_lengths"),
+                                      xla::ffi::StructMember<bool>("has_kv_lengths"),
+                                      xla::ffi::StructMember<int64_t>("fp32_precision"));
+
+namespace jax_sdpa {
+
+// Appends the attributes (the whole dictionary, as one SdpaAttrs) to an ffi::Bind().
 template <typename Binding>
 auto bind_sdpa_attrs(Binding binding) {
-  // Binding::Attr is &&-qualified: the binding has to be moved into the chain.
-  return std::move(binding).template Attr<double>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right")
-      .template Attr<bool>("seq_major")
-      .template Attr<bool>("has_mask")
-      .template Attr<bool>("has_sinks")
-      .template Attr<bool>("has_q_lengths")
-      .template Attr<bool>("has_kv_lengths")
-      .template Attr<int64_t>("fp32_precision");
+  // Binding::Attrs is &&-qualified: the binding has to be moved into it.
+  return std::move(binding).template Attrs<SdpaAttrs>();
 }
 
-// The complete bindings of the two custom calls -- operands, results and attributes in
-// the contract's order -- appended to whatever context a handler binds first
-// (e.g. ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()).
 // The forward's operands and its two contract results (a handler with extra results, such
 // as the decode kernel's workspace, appends them before the attributes).
 template <typename Binding>
@@ -71,6 +77,9 @@ auto bind_sdpa_fwd_buffers(Binding&& binding) {  // by reference: Binding can't 
       .template Ret<ffi::AnyBuffer>();  // lse
 }
 
+// The complete bindings of the two custom calls -- operands, results and attributes in
+// the contract's order -- appended to whatever context a handler binds first
+// (e.g. ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()).
 template <typename Binding>
 auto bind_sdpa_fwd(Binding binding) {
   return bind_sdpa_attrs(bind_sdpa_fwd_buffers(std::move(binding)));
@@ -92,14 +101,6 @@ auto bind_sdpa_bwd(Binding binding) {
                              .template Ret<ffi::AnyBuffer>()   // dq
                              .template Ret<ffi::AnyBuffer>()   // dk
                              .template Ret<ffi::AnyBuffer>());  // dv
-}
-
-inline SdpaAttrs make_attrs(double scale, int64_t window_left, int64_t window_right,
-                            bool bottom_right, bool seq_major, bool has_mask,
-                            bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
-                            int64_t fp32_precision) {
-  return SdpaAttrs{scale,     window_left, window_right,  bottom_right,   seq_major,
-                   has_mask,  has_sinks,   has_q_lengths, has_kv_lengths, fp32_precision};
 }
 
 namespace detail {

@@ -34,12 +34,7 @@ ffi::Error unsupported(const std::string& why) {
 ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
                     ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                    double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                    bool seq_major, bool has_mask, bool has_sinks, bool has_q_lengths,
-                    bool has_kv_lengths, int64_t fp32_precision) {
-  const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                 fp32_precision);
+                    SdpaAttrs a) {
   SdpaParams p;
   SdpaFwdBuffers io;
   if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &io);
@@ -54,13 +49,7 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
                     ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, double scale, int64_t window_left,
-                    int64_t window_right, bool bottom_right, bool seq_major, bool has_mask,
-                    bool has_sinks, bool has_q_lengths, bool has_kv_lengths,
-                    int64_t fp32_precision) {
-  const SdpaAttrs a = make_attrs(scale, window_left, window_right, bottom_right, seq_major,
-                                 has_mask, has_sinks, has_q_lengths, has_kv_lengths,
-                                 fp32_precision);
+                    ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs a) {
   SdpaParams p;
   SdpaBwdBuffers io;
   if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
