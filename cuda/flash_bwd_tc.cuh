@@ -1,5 +1,4 @@
 // Fast float32 flash-attention backward (FlashAttention-2 style), head dims <= 128.
-// UNTESTED ON A GPU when written: compile-checked only (see flash_bwd_tc.h).
 //
 // Grid (key_tiles, Hk, B); a block = 8 warps = 128 keys of kv head hk (16 keys per warp).
 // It loops over the G query heads of its group and over the query tiles (kBr queries)
@@ -298,15 +297,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
   const int kvalid = max(0, min(kBc, kvlen - k0));
 
-  // Queries whose band reaches keys [k0, k0 + kvalid): i in [j - offset - wr, j - offset + wl].
-  int64_t i_lo = 0, i_hi = qlen;
-  if (f.wr >= 0 && k0 - offset - f.wr > i_lo) i_lo = k0 - offset - f.wr;
-  if (f.wl >= 0 && k0 + kvalid - offset + f.wl < i_hi) i_hi = k0 + kvalid - offset + f.wl;
+  // Queries whose band reaches keys [k0, k0 + kvalid).
+  const QuerySpan qr = band_queries(k0, kvalid, offset, f.wl, f.wr, qlen);
   int n_qt = 0;
   int qb_lo = 0;
-  if (kvalid > 0 && i_hi > i_lo) {
-    qb_lo = static_cast<int>((i_lo / kBr) * kBr);
-    n_qt = static_cast<int>((i_hi - qb_lo + kBr - 1) / kBr);
+  if (kvalid > 0 && qr.hi > qr.lo) {
+    qb_lo = static_cast<int>((qr.lo / kBr) * kBr);
+    n_qt = static_cast<int>((qr.hi - qb_lo + kBr - 1) / kBr);
   }
   const int n_iter = f.G * n_qt;
 

@@ -1,8 +1,7 @@
 // Fast float32 flash-attention backward (TF32 / 3xTF32 tensor cores, FlashAttention-2
 // style), head dims D <= 128 and Dv <= 128 (multiples of 8). Host API, plain C++.
 // Kernel: cuda/flash_bwd_tc.cuh; instantiations + launcher: cuda/flash_bwd_tc_f32.cu.
-// UNTESTED ON A GPU when written (compile-checked only); benchmarks/flash_bwd_tc_selftest.cu
-// is its standalone check + timing.
+// Checked and timed through the module by benchmarks/gpu_flash_check.py.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,4 @@
 // Fast float32 flash-attention backward: instantiations + launcher (see flash_bwd_tc.cuh).
-// UNTESTED ON A GPU when written (compile-checked only).
 #include "cuda/flash_bwd_tc.h"
 
 #include <cstdint>
@@ -7,13 +6,12 @@
 #include <cstring>
 
 #include "cuda/flash_bwd_tc.cuh"
+#include "cuda/flash_launch_checks.h"
 
 namespace jax_sdpa {
 namespace cuda_flash {
 namespace bwd_tc {
 namespace {
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <int kMode, int kD, int kBr, int kVar = 0>
 cudaError_t launch_t(const Args& a, int hk, cudaStream_t stream) {
@@ -77,28 +75,16 @@ cudaError_t launch_backward_f32_fast(const SdpaParams& p, const SdpaBwdBuffers& 
   if (p.head_dim < 8 || p.head_dim_v < 8 || p.head_dim > 128 || p.head_dim_v > 128 ||
       p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0)
     return cudaErrorNotSupported;
-  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorNotSupported;
-  if (p.batch > 65535 || p.heads_kv > 65535 || p.len_q >= (int64_t{1} << 30) ||
-      p.len_kv >= (int64_t{1} << 30))
-    return cudaErrorNotSupported;
+  if (!backward_grid_fits(p)) return cudaErrorNotSupported;
   // float4 / float2 / 16-byte cp.async accesses: row strides multiples of 4 elements,
   // 16-byte aligned buffers.
-  for (int i = 0; i < 3; ++i)
-    if (p.q_stride[i] % 4 || p.k_stride[i] % 4 || p.v_stride[i] % 4 || p.o_stride[i] % 4)
-      return cudaErrorNotSupported;
-  if (!aligned16(buf.q) || !aligned16(buf.k) || !aligned16(buf.v) || !aligned16(buf.out) ||
-      !aligned16(buf.dout) || !aligned16(buf.dq) || !aligned16(buf.dk) || !aligned16(buf.dv))
+  if (!strides_multiple_of(p, 4) ||
+      !all_aligned16({buf.q, buf.k, buf.v, buf.out, buf.dout, buf.dq, buf.dk, buf.dv}))
     return cudaErrorNotSupported;
   const bool narrow = p.head_dim <= 64 && p.head_dim_v <= 64;
   const size_t smem = narrow ? Cfg<64, 64>::kBytes : Cfg<128, 32>::kBytes;
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    cudaGetLastError();  // leave no error behind for the fallback
-    return cudaErrorNotSupported;
-  }
-  if (static_cast<size_t>(optin) < smem) return cudaErrorNotSupported;  // e.g. A100 (D <= 64)
+  if (static_cast<size_t>(max_smem_optin()) < smem)
+    return cudaErrorNotSupported;  // e.g. an A100 (D <= 64)
 
   // ---- launch ----
   if (p.batch == 0 || p.heads_q == 0) return cudaSuccess;

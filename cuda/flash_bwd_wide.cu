@@ -1,19 +1,17 @@
 // Wide-head (256 < D, Dv <= 512) fp16/bf16 flash backward: instantiations + host launcher
-// (kernels: cuda/flash_bwd_wide.cuh, API: cuda/flash_bwd_wide.h). UNTESTED ON A GPU when
-// written (compile-checked only).
+// (kernels: cuda/flash_bwd_wide.cuh, API: cuda/flash_bwd_wide.h).
 #include "cuda/flash_bwd_wide.h"
 
 #include <cstdint>
 
 #include "cuda/flash_bwd_wide.cuh"
+#include "cuda/flash_launch_checks.h"
 
 namespace jax_sdpa {
 namespace cuda_flash {
 
 namespace bwd_wide {
 namespace {
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T>
 cudaError_t launch_t(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
@@ -85,27 +83,14 @@ cudaError_t launch_backward_wide(const SdpaParams& p, const SdpaBwdBuffers& buf,
   // ---- can we serve it? (nothing is enqueued before these checks pass) ----
   if (!backward_wide_applies(p)) return cudaErrorNotSupported;
   if (p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0) return cudaErrorNotSupported;
-  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorNotSupported;
-  if (p.batch > 65535 || p.heads_kv > 65535 || p.len_q >= (int64_t{1} << 30) ||
-      p.len_kv >= (int64_t{1} << 30))
-    return cudaErrorNotSupported;
+  if (!backward_grid_fits(p)) return cudaErrorNotSupported;
   if (delta == nullptr || dq_accum == nullptr) return cudaErrorNotSupported;
   // 16-byte cp.async / vector accesses: strides multiples of 8 elements, 16-byte aligned buffers.
-  for (int i = 0; i < 3; ++i)
-    if (p.q_stride[i] % 8 || p.k_stride[i] % 8 || p.v_stride[i] % 8 || p.o_stride[i] % 8)
-      return cudaErrorNotSupported;
-  if (!aligned16(buf.q) || !aligned16(buf.k) || !aligned16(buf.v) || !aligned16(buf.out) ||
-      !aligned16(buf.dout) || !aligned16(buf.dq) || !aligned16(buf.dk) || !aligned16(buf.dv) ||
-      !aligned16(dq_accum) || !aligned16(delta))
+  if (!strides_multiple_of(p, 8) ||
+      !all_aligned16({buf.q, buf.k, buf.v, buf.out, buf.dout, buf.dq, buf.dk, buf.dv, dq_accum,
+                      delta}))
     return cudaErrorNotSupported;
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaErrorNotSupported;
-  }
-  if (optin < kSmemBytes) return cudaErrorNotSupported;
+  if (max_smem_optin() < kSmemBytes) return cudaErrorNotSupported;
   switch (p.dtype) {
     case DType::kF16: return launch_t<__half>(p, buf, delta, dq_accum, stream);
     case DType::kBF16: return launch_t<__nv_bfloat16>(p, buf, delta, dq_accum, stream);

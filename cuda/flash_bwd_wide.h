@@ -1,7 +1,6 @@
 // Fast fp16/bf16 flash-attention backward for head dims above cuDNN's 256 (256 < D, Dv <= 512,
 // zero-padded to 512): Gemma-style D = 512. FlashAttention-2 style, mma.sync m16n8k16.
 // Kernels: cuda/flash_bwd_wide.cuh; instantiations + launcher: cuda/flash_bwd_wide.cu.
-// UNTESTED ON A GPU when written (compile-checked only).
 //
 // Its fp32 dq accumulator lives in the backward scratch after delta, laid out by
 // launch_backward (cuda/flash_attention.cu).

@@ -1,0 +1,53 @@
+// Host-side checks shared by the fast flash backwards' launchers: each refuses
+// (cudaErrorNotSupported, nothing enqueued) and the generic kernels run unless the call's
+// grid, strides, buffers and the device's shared memory suit it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "ffi/sdpa_params.h"
+
+namespace jax_sdpa {
+namespace cuda_flash {
+
+// A grid of (key tiles, kv heads, batch), query heads a whole multiple of kv heads, and
+// lengths that index in 32 bits.
+inline bool backward_grid_fits(const SdpaParams& p) {
+  return p.heads_kv > 0 && p.heads_q % p.heads_kv == 0 && p.batch <= 65535 &&
+         p.heads_kv <= 65535 && p.len_q < (int64_t{1} << 30) && p.len_kv < (int64_t{1} << 30);
+}
+
+// Every stride of q, k, v and out a multiple of `elems` elements (vector and 16-byte
+// copies along rows).
+inline bool strides_multiple_of(const SdpaParams& p, int64_t elems) {
+  for (int i = 0; i < 3; ++i)
+    if (p.q_stride[i] % elems || p.k_stride[i] % elems || p.v_stride[i] % elems ||
+        p.o_stride[i] % elems)
+      return false;
+  return true;
+}
+
+inline bool all_aligned16(std::initializer_list<const void*> buffers) {
+  for (const void* b : buffers)
+    if (reinterpret_cast<uintptr_t>(b) & 15u) return false;
+  return true;
+}
+
+// The current device's opt-in shared memory per block; 0 when it can't be read (the error
+// is cleared: nothing may be left behind for the fallback).
+inline int max_smem_optin() {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return optin;
+}
+
+}  // namespace cuda_flash
+}  // namespace jax_sdpa
