@@ -37,6 +37,9 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from numpy_reference import reference  # noqa: E402  (float64, head-major)
+
 
 
 def _workspace_helper():
@@ -106,60 +109,6 @@ def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, w
                 has_mask=mask is not None, has_sinks=sinks is not None,
                 has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
                 fp32_precision=0)
-    return out, lse
-
-
-# ---------------------------------------------------------------------------
-# float64 reference of docs/ffi_contract.md (head-major arrays)
-# ---------------------------------------------------------------------------
-def reference(q, k, v, *, scale, mask=None, sinks=None, qlen=None, kvlen=None, wl=-1, wr=-1,
-              bottom_right=True):
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, Hq, Lq, D = q.shape
-    Hk, Lk = k.shape[1], k.shape[2]
-    G = Hq // Hk
-    kk = np.repeat(k, G, axis=1)
-    vv = np.repeat(v, G, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, kk) * scale
-    vis = np.ones((B, Hq, Lq, Lk), bool)
-    qvalid = np.ones((B, Lq), bool)
-    for b in range(B):
-        ql = Lq if qlen is None else int(np.clip(qlen[b], 0, Lq))
-        kl = Lk if kvlen is None else int(np.clip(kvlen[b], 0, Lk))
-        off = kl - ql if bottom_right else 0
-        i = np.arange(Lq)[:, None]
-        j = np.arange(Lk)[None, :]
-        d = j - (i + off)
-        vb = (i < ql) & (j < kl)
-        if wl >= 0:
-            vb &= d >= -wl
-        if wr >= 0:
-            vb &= d <= wr
-        vis[b] &= vb[None]
-        qvalid[b] = np.arange(Lq) < ql
-    if mask is not None:
-        m = np.asarray(mask)
-        if m.dtype == np.bool_:
-            vis &= np.broadcast_to(m, vis.shape)
-        else:
-            s = s + np.broadcast_to(np.asarray(m, np.float64), s.shape)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        s = np.where(vis, s, -np.inf)
-        mx = s.max(axis=-1)
-        if sinks is not None:
-            sk = np.asarray(sinks, np.float64)
-            sk = np.broadcast_to(sk.reshape(sk.shape[0], Hq, 1), (B, Hq, Lq))
-            mx = np.maximum(mx, sk)
-        mfin = np.where(np.isfinite(mx), mx, 0.0)
-        p = np.exp(s - mfin[..., None])
-        tot = p.sum(-1)
-        if sinks is not None:
-            tot = tot + np.exp(sk - mfin)
-        lse = np.where(tot > 0, mfin + np.log(np.where(tot > 0, tot, 1.0)), -np.inf)
-        out = np.einsum("bhij,bhjd->bhid", p, vv) / np.where(tot > 0, tot, 1.0)[..., None]
-    empty = ~np.isfinite(lse) | ~qvalid[:, None, :]
-    lse = np.where(empty, -np.inf, lse)
-    out = np.where(empty[..., None], 0.0, out)
     return out, lse
 
 

@@ -28,6 +28,9 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from numpy_reference import reference  # noqa: E402  (float64, head-major)
+
 FWD = "jax_sdpa_cuda_flash_fwd"
 BWD = "jax_sdpa_cuda_flash_bwd"
 DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -89,57 +92,8 @@ def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qle
 
 
 # ---------------------------------------------------------------------------
-# float64 reference of docs/ffi_contract.md, head-major
+# float64 backward reference (the forward's is numpy_reference.reference)
 # ---------------------------------------------------------------------------
-def reference(q, k, v, *, scale, mask=None, sinks=None, qlen=None, kvlen=None, wl=-1, wr=-1,
-              bottom_right=True, want_p=False):
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, Hq, Lq, _ = q.shape
-    Hk, Lk = k.shape[1], k.shape[2]
-    kk, vv = np.repeat(k, Hq // Hk, axis=1), np.repeat(v, Hq // Hk, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, kk) * scale
-    vis = np.zeros((B, 1, Lq, Lk), bool)
-    rows = np.zeros((B, Lq), bool)
-    i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
-    for b in range(B):
-        ql = Lq if qlen is None else int(np.clip(qlen[b], 0, Lq))
-        kl = Lk if kvlen is None else int(np.clip(kvlen[b], 0, Lk))
-        d = j - (i + (kl - ql if bottom_right else 0))
-        ok = (i < ql) & (j < kl)
-        if wl >= 0:
-            ok &= d >= -wl
-        if wr >= 0:
-            ok &= d <= wr
-        vis[b, 0] = ok
-        rows[b] = np.arange(Lq) < ql
-    vis = np.broadcast_to(vis, s.shape).copy()
-    if mask is not None:
-        m = np.asarray(mask)
-        if m.dtype == np.bool_:
-            vis &= np.broadcast_to(m, s.shape)
-        else:
-            s = s + np.broadcast_to(np.asarray(m, np.float64), s.shape)
-    with np.errstate(all="ignore"):
-        s = np.where(vis, s, -np.inf)
-        mx = s.max(-1)
-        if sinks is not None:
-            sk = np.broadcast_to(np.asarray(sinks, np.float64)[:, :, None], (B, Hq, Lq))
-            mx = np.maximum(mx, sk)
-        mf = np.where(np.isfinite(mx), mx, 0.0)
-        p = np.exp(s - mf[..., None])
-        tot = p.sum(-1) + (np.exp(sk - mf) if sinks is not None else 0.0)
-        safe = np.where(tot > 0, tot, 1.0)
-        lse = np.where(tot > 0, mf + np.log(safe), -np.inf)
-        out = np.einsum("bhij,bhjd->bhid", p, vv) / safe[..., None]
-    empty = ~np.isfinite(lse) | ~rows[:, None, :]
-    out, lse = np.where(empty[..., None], 0.0, out), np.where(empty, -np.inf, lse)
-    if want_p:
-        with np.errstate(all="ignore"):
-            pr = np.where(empty[..., None], 0.0, p / safe[..., None])
-        return out, lse, pr
-    return out, lse
-
-
 def reference_bwd(q, k, v, out, dout, pr, scale):
     """dq, dk, dv (float64, head-major) of docs/ffi_contract.md from the probabilities."""
     q, k, v, out, dout = (np.asarray(x, np.float64) for x in (q, k, v, out, dout))
@@ -253,11 +207,14 @@ def _rel(a, b):
     return float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())) if b.size else 0.0
 
 
-def run_check(seed=0, fp32_tol=None, with_bwd=False):
+def run_check(seed=0, fp32_tol=None, with_bwd=False, only=()):
+    """The check over cases() (those whose name contains one of `only`, if given)."""
     rng = np.random.default_rng(seed)
     tol = {"fp32": fp32_tol or (2e-5 if HIGHEST else 2e-3), "fp16": 4e-3, "bf16": 2.5e-2}
     results, fails = [], 0
     for c in cases():
+        if only and not any(o in c["name"] for o in only):
+            continue
         (q, k, v), kw = make_inputs(c, rng)
         ref_o, ref_l, ref_p = reference(q, k, v, want_p=True, **kw)
         dt = DTYPES[c["dt"]]
@@ -490,13 +447,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peers", action="store_true", help="time only our kernels")
     ap.add_argument("--rows", default="", help="comma-separated substrings of bench row names")
+    ap.add_argument("--cases", default="", help="comma-separated substrings of check case names")
     a = ap.parse_args()
     found = register()
     res = dict(device=str(jax.devices()[0]), jax=jax.__version__, targets=found,
                fp32_mode="highest (3xTF32)" if HIGHEST else "tf32")
     print(json.dumps(res), flush=True)
     if a.only in (None, "check"):
-        res["check"] = run_check(a.seed, a.fp32_tol, with_bwd=BWD in found)
+        res["check"] = run_check(a.seed, a.fp32_tol, with_bwd=BWD in found,
+                                 only=[c for c in a.cases.split(",") if c])
     if a.only == "bwd_sweep":
         if BWD not in found:
             sys.exit(f"{BWD} is not registered: no backward to sweep")
