@@ -84,36 +84,6 @@ using cuda_common::mma_tf32;
 using cuda_common::round_tf32;
 using cuda_common::to_tf32;
 
-// Keys [lo, hi) that any valid query of rows [q0, q0 + rows) may see (band and kv
-// length; empty when the tile has no valid row): the forwards' block skipping.
-struct KeySpan {
-  int lo, hi;
-};
-__device__ __forceinline__ KeySpan tile_keys(int q0, int rows, int qlen, int64_t offset,
-                                             int64_t wl, int64_t wr, int kvlen) {
-  KeySpan r{0, 0};
-  if (q0 < qlen) {
-    const int last_row = min(q0 + rows, qlen) - 1;
-    r.lo = static_cast<int>(band_keys(q0, offset, wl, wr, kvlen).first);
-    r.hi = static_cast<int>(band_keys(last_row, offset, wl, wr, kvlen).last);
-    if (r.hi < r.lo) r.hi = r.lo;
-  }
-  return r;
-}
-
-// Queries [lo, hi) whose band reaches keys [k0, k0 + n): i in [j - offset - wr,
-// j - offset + wl], before query lengths (may be empty): the backwards' block skipping.
-struct QuerySpan {
-  int64_t lo, hi;
-};
-__device__ __forceinline__ QuerySpan band_queries(int k0, int n, int64_t offset, int64_t wl,
-                                                  int64_t wr, int qlen) {
-  QuerySpan r{0, qlen};
-  if (wr >= 0 && k0 - offset - wr > r.lo) r.lo = k0 - offset - wr;
-  if (wl >= 0 && k0 + n - offset + wl < r.hi) r.hi = k0 + n - offset + wl;
-  return r;
-}
-
 template <typename T>
 __device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
   const uint32_t a = *reinterpret_cast<const uint16_t*>(&lo);
@@ -234,8 +204,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
 
   // Keys any valid row of the tile may see (band + kv length): block skipping.
-  const KeySpan keys = tile_keys(q0, kBM, qlen, offset, a.wl, a.wr, kvlen);
-  const int key_lo = keys.lo, key_hi = keys.hi;
+  int key_lo = 0, key_hi = 0;
+  if (q0 < qlen) {
+    const int last_row = min(q0 + kBM, qlen) - 1;
+    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
+    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
+    if (key_hi < key_lo) key_hi = key_lo;
+  }
 
   // Q tile -> shared memory (rows beyond Lq are zero).
   load_tile<T>(sQ, q_stride_b, Q + static_cast<int64_t>(q0) * a.qs[2], a.qs[2], kBM,

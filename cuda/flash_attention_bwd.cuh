@@ -193,10 +193,11 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) 
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1] + int64_t{k0} * a.vs[2];
   const int kvalid = max(0, min(kBN, kvlen - k0));
 
-  // Queries whose band reaches keys [k0, k0 + 64).
-  const QuerySpan qr = band_queries(k0, kBN, offset, a.wl, a.wr, qlen);
-  const int64_t i_lo = qr.lo;
-  const int64_t i_hi = kvalid == 0 ? qr.lo : qr.hi;  // keys beyond kv length: zero gradients
+  // Queries whose band reaches keys [k0, k0 + 64): i in [j - offset - wr, j - offset + wl].
+  int64_t i_lo = 0, i_hi = qlen;
+  if (a.wr >= 0 && k0 - offset - a.wr > i_lo) i_lo = k0 - offset - a.wr;
+  if (a.wl >= 0 && k0 + kBN - offset + a.wl < i_hi) i_hi = k0 + kBN - offset + a.wl;
+  if (kvalid == 0) i_hi = i_lo;  // keys beyond kv length: zero gradients
 
   float acc[8][4];
 #pragma unroll

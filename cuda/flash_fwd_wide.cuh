@@ -76,8 +76,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
   const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
 
-  const KeySpan keys = tile_keys(q0, kBM, qlen, offset, a.wl, a.wr, kvlen);
-  const int key_lo = keys.lo, key_hi = keys.hi;
+  int key_lo = 0, key_hi = 0;
+  if (q0 < qlen) {
+    const int last_row = min(q0 + kBM, qlen) - 1;
+    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
+    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
+    if (key_hi < key_lo) key_hi = key_lo;
+  }
   const int kb_begin = (key_lo / kBN) * kBN;
   const int n_tiles = key_hi > kb_begin ? (key_hi - kb_begin + kBN - 1) / kBN : 0;
 
