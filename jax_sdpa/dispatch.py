@@ -267,6 +267,12 @@ def cuda_decode_workspace_bytes(cfg: Config) -> int:
                                            cfg.len_kv, cfg.head_dim_v)
 
 
+def ffi_workspace_bytes(target: str, cfg: Config) -> int:
+    """Bytes of the extra uint8 workspace result that FFI target `target` takes after its
+    contract results (0: none). Only our decode kernel has one."""
+    return cuda_decode_workspace_bytes(cfg) if target == CUDA_DECODE_TARGET else 0
+
+
 def cuda_flash_serves(cfg: Config, direction: str) -> Verdict:
     """Our flash kernels (targets jax_sdpa_cuda_flash_{fwd,bwd}, cuda/flash_attention*):
     forward and backward, every mask form, sinks, lengths, windows, GQA, both layouts."""

@@ -190,9 +190,9 @@ def _lower(direction, platform):
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         target = dispatch.ffi_target(name, direction, cfg)
         attrs = _ffi_attrs(params, flags)
-        if target == dispatch.CUDA_DECODE_TARGET:
-            return _lower_with_workspace(ctx, target, args, attrs,
-                                         dispatch.cuda_decode_workspace_bytes(cfg))
+        workspace_bytes = dispatch.ffi_workspace_bytes(target, cfg)
+        if workspace_bytes:
+            return _lower_with_workspace(ctx, target, args, attrs, workspace_bytes)
         return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs)
 
     return rule
