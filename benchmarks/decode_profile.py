@@ -1,5 +1,5 @@
 """Where a decode call's time goes on the GPU: wall time per call (K dependent calls
-unrolled in one jit, as gpu_decode.py times them) against the device-side picture
+in one jit, as gpu_decode.py times them) against the device-side picture
 from the JAX profiler (CUPTI): the kernels each call launches, their summed busy time
 and the span from the first kernel's start to the last one's end. busy << span means
 the GPU waits for the host between calls (per-call host work or a synchronization);
@@ -29,12 +29,12 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 
 # Knob settings per row (JAX_SDPA_CUDA_DECODE_*; {} = the defaults), then the peers.
-VARIANTS = {  # SPLITS=4 / 33: the split counts of the previous heuristic (slots = SMs x 2)
-    0: [{}, {"SPLITS": "4"}, {"CFG": "8,2"}],
-    1: [{}, {"SPLITS": "33"}, {"COMBINE": "kernel"}],
-    2: [{}, {"CFG": "3,2"}, {"CFG": "2,3"}],
-    3: [{}, {"CFG": "3,2"}, {"CFG": "2,2"}],
-    4: [{}, {"CFG": "3,3"}],
+VARIANTS = {  # L2: the K/V copies' L2 prefetch size (JAX_SDPA_CUDA_DECODE_L2)
+    0: [{}, {"L2": "128"}, {"L2": "256"}, {"CFG": "8,2", "L2": "256"}],
+    1: [{}, {"L2": "256"}],
+    2: [{}, {"L2": "256"}],
+    3: [{}, {"L2": "256"}],
+    4: [{}, {"L2": "256"}],
 }
 
 
@@ -78,9 +78,8 @@ def _device_events(trace_dir):
 def profile_one(name, fn, args, K, reps=3):
     f = gd._loop_fn(fn, K)
     hlo = f.lower(*args).compile().as_text()
-    # One while loop of 4K trips (XLA may run it as one CUDA graph when every op of the
-    # body can be captured).
-    rolled_us = gd._time_compiled(gd._loop_fn(fn, 4 * K, unroll=False), args, 4 * K) * 1e6
+    # One while loop of K trips, one call each (no unrolling).
+    rolled_us = gd._time_compiled(gd._loop_fn(fn, K, unroll=1), args, K) * 1e6
     wall = gd._time_compiled(f, args, K)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -108,7 +107,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--K", type=int, default=16)
+    ap.add_argument("--K", type=int, default=128)
     args = ap.parse_args()
     gd.register(use_module=True)
     picked = range(len(ROWS)) if not args.rows else [int(i) for i in args.rows.split(",")]

@@ -275,16 +275,31 @@ def run_check(seed=0, verbose=True, quick=False):
 # ---------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------
-def _loop_fn(fn, K, unroll=True):
+# Each timed execution runs K dependent calls: a while loop of K / UNROLL trips with
+# UNROLL calls unrolled in its body. The execution's fixed cost (dispatch, the host's wait
+# for the result: about 0.3 ms on the H200 machine) is spread over K, so K is large:
+# with K = 8..32 (our first harness) that cost added 20-30 us to every call of every
+# implementation (benchmarks/results/decode_profile_h200_2026-11-30_*: GPU idle between
+# executions).
+UNROLL = 16
+
+
+def calls_for(est_s, target_s=30e-3):
+    """K for one execution of about target_s: a multiple of UNROLL in [64, 1024]."""
+    K = int(target_s / max(est_s, 1e-7)) // UNROLL * UNROLL
+    return max(4 * UNROLL, min(1024, K))
+
+
+def _loop_fn(fn, K, unroll=UNROLL):
     """jit of K dependent calls of fn(q, *rest) -> out (a tiny function of out is fed
-    back into q), unrolled (or one while loop of K trips: unroll=False)."""
+    back into q): a while loop of K / unroll trips, `unroll` calls per trip."""
 
     def run(q, *rest):  # k, v are arguments, never captured constants
         def body(_, q):
             out = fn(q, *rest)
             return q + (out.reshape(-1)[0] * 1e-30).astype(q.dtype)
 
-        return jax.lax.fori_loop(0, K, body, q, unroll=True if unroll else 1)
+        return jax.lax.fori_loop(0, K, body, q, unroll=max(1, min(unroll, K)))
 
     return jax.jit(run)
 
@@ -300,7 +315,7 @@ def _time_compiled(f, args, K, reps=5):
 
 
 def _time_loop(fn, args, K, reps=5):
-    """K dependent calls of fn unrolled in one jit; returns median seconds per call."""
+    """K dependent calls of fn in one jit (see _loop_fn); returns median seconds per call."""
     return _time_compiled(_loop_fn(fn, K), args, K, reps)
 
 
@@ -373,12 +388,11 @@ def _impls(dt, D, seq_major_too=False):
     return impls
 
 
-def bench_one(dt, B, Hq, Hk, Lk, D, Lq=1, impls=None, target_s=2e-3):
+def bench_one(dt, B, Hq, Hk, Lk, D, Lq=1, impls=None, target_s=30e-3):
     q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D, Lq)
     esz = jnp.dtype(DTYPES[dt]).itemsize
     nbytes = esz * (2 * B * Hq * Lq * D + 2 * B * Hk * Lk * D)
-    est = nbytes / 3.0e12 + 8e-6
-    K = int(min(32, max(8, target_s / est)))
+    K = calls_for(nbytes / 3.0e12 + 8e-6, target_s)
     res = {}
     for name, (fn, seq_major) in (impls or _impls(dt, D)).items():
         args = (q, k, v)
@@ -411,29 +425,28 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 
 
 # Target rows x knob settings. CFG = tensor-core warps,stages (built for D128 and
-# D512 only, cuda/decode_attention_kernels.h); SPLITS pins the split count;
-# COMBINE picks the split-K merge. {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D).
+# D512 only, cuda/decode_attention_kernels.h); L2 = the K/V copies' L2 prefetch size
+# (built for D128 and D512: the default W,S and D128 W8 S2; fp32 too); SPLITS pins the
+# split count; COMBINE picks the split-K merge. {} = the defaults.
+# Rows: (name, dt, B, Hq, Hk, Lk, D).
 SWEEP = [
-    (("B8 H32/KV8 Lk8192 D128", "bf16", 8, 32, 8, 8192, 128),
-     [{}, {"CFG": "2,4"}, {"CFG": "3,3"}, {"CFG": "2,5"}, {"CFG": "4,3"}, {"CFG": "4,4"},
-      {"CFG": "8,2"}, {"SPLITS": "8"}, {"SPLITS": "2"}, {"CFG": "2,4", "SPLITS": "8"}]),
-    (("B1 H32/KV8 Lk32768 D128", "bf16", 1, 32, 8, 32768, 128),
-     [{}, {"CFG": "2,4"}, {"CFG": "3,3"}, {"CFG": "4,4"}, {"CFG": "8,2"}, {"SPLITS": "66"},
-      {"SPLITS": "16"}, {"COMBINE": "kernel"}, {"CFG": "2,4", "SPLITS": "66"}]),
-    (("B1 H32/KV4 Lk8192 D512", "bf16", 1, 32, 4, 8192, 512),
-     [{}, {"CFG": "4,1"}, {"CFG": "2,2"}, {"CFG": "2,3"}, {"COMBINE": "fused"},
-      {"CFG": "4,1", "COMBINE": "fused"}, {"SPLITS": "64"}, {"SPLITS": "16"},
-      {"CFG": "2,3", "SPLITS": "64"}]),
-    (("B1 H32/KV4 Lk1024 D512 fp16", "fp16", 1, 32, 4, 1024, 512),
-     [{}, {"CFG": "4,1"}, {"CFG": "2,2"}, {"SPLITS": "4"}, {"SPLITS": "16"},
-      {"COMBINE": "fused"}]),
-    (("B64 H32/KV8 Lk2048 D128", "bf16", 64, 32, 8, 2048, 128),
-     [{}, {"CFG": "2,4"}, {"CFG": "3,3"}, {"CFG": "4,4"}]),
+    (BENCH_ROWS[0],
+     [{}, {"L2": "128"}, {"L2": "256"}, {"CFG": "8,2"}, {"CFG": "8,2", "L2": "256"},
+      {"SPLITS": "4"}, {"SPLITS": "4", "L2": "256"}, {"CFG": "4,4"}]),
+    (BENCH_ROWS[1],
+     [{}, {"L2": "128"}, {"L2": "256"}, {"SPLITS": "33"}, {"SPLITS": "33", "L2": "256"},
+      {"CFG": "8,2", "L2": "256"}]),
+    (BENCH_ROWS[2], [{}, {"L2": "128"}, {"L2": "256"}, {"CFG": "3,2"}]),
+    (BENCH_ROWS[3], [{}, {"L2": "256"}, {"SPLITS": "16"}, {"CFG": "3,2"}]),
+    (BENCH_ROWS[4], [{}, {"L2": "128"}, {"L2": "256"}, {"CFG": "3,3"}]),
+    (BENCH_ROWS[6], [{}, {"L2": "256"}]),
+    (BENCH_ROWS[7], [{}, {"L2": "256"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2")
 
 
-def run_sweep(copy_bw, budget_s=55.0):
+def run_sweep(copy_bw, budget_s=150.0):
     """Times `ours` on the target rows under each knob setting in SWEEP (the knobs
     are read by the host launcher when it runs, which XLA does once when it captures the
     call into a CUDA graph: so one executable per setting). Prints one line per setting
@@ -445,14 +458,14 @@ def run_sweep(copy_bw, budget_s=55.0):
         q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D)
         esz = jnp.dtype(DTYPES[dt]).itemsize
         nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
-        K = int(min(32, max(8, 2e-3 / (nbytes / 3.0e12 + 8e-6))))
+        K = calls_for(nbytes / 3.0e12 + 8e-6)
         rows = []
         ref = None  # the first (default) setting's out + lse: every variant must agree
         for st in settings:
             if time.time() - t_start > budget_s:
                 print(f"sweep: budget {budget_s:.0f}s spent, skipping the rest", flush=True)
                 break
-            for kn in ("CFG", "SPLITS", "COMBINE"):
+            for kn in SWEEP_KNOBS:
                 os.environ.pop(KNOB + kn, None)
             for kn, val in st.items():
                 os.environ[KNOB + kn] = val
@@ -478,7 +491,7 @@ def run_sweep(copy_bw, budget_s=55.0):
                 rec = dict(setting=label, error=str(e).splitlines()[0][:160] if str(e) else "?")
                 print(f"sweep {name:<30} {label:<22} ERR {rec['error'][:80]}", flush=True)
             rows.append(rec)
-        for kn in ("CFG", "SPLITS", "COMBINE"):
+        for kn in SWEEP_KNOBS:
             os.environ.pop(KNOB + kn, None)
         ok = [r for r in rows if "GBps" in r and r["agrees_with_default"]]
         if ok:
@@ -497,7 +510,7 @@ def run_crossover():
     grid += [(8, 4096, Lq) for Lq in (2, 4, 8, 16)]
     for (B, Lk, Lq) in grid:
         impls = {k_: v_ for k_, v_ in _impls("bf16", 128).items() if k_ in ("ours", "jax.nn cudnn")}
-        nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, 128, Lq=Lq, impls=impls, target_s=2e-3)
+        nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, 128, Lq=Lq, impls=impls, target_s=15e-3)
         o = res.get("ours", {}).get("us")
         c = res.get("jax.nn cudnn", {}).get("us")
         pts.append(dict(B=B, Hq=32, Hk=8, Lk=Lk, Lq=Lq, rows_per_kv_head=4 * Lq, ours_us=o,

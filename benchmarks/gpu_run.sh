@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
-#                                           bench quick (default: build tests probe bench)
+#                                           bench quick decode_check decode_bench decode_sweep
+#                                           decode_profile flash_check api
+#                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
 # - builds and installs the package with the system g++ (the image's CXX is a GCC
@@ -86,6 +88,50 @@ if has decode; then
      --module --only check --out "$OUT" 2>&1 | tail -25) || rc=1
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-150}" python3 -P \
      $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
+fi
+
+# The decode pieces one by one (decode = check + bench). decode_check runs the check
+# again under each setting in DECODE_CHECK_L2 (L2 prefetch variants, e.g. "256").
+if has api; then
+  say "public API smoke: one call + grad per GPU implementation"
+  repo=$(pwd)
+  (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_api_smoke.py 2>&1 | tail -8) || rc=1
+fi
+if has decode_check; then
+  say "decode check (default kernels, then L2 prefetch variants: ${DECODE_CHECK_L2:-none})"
+  repo=$(pwd)
+  (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_decode.py --module --only check \
+     --out "$OUT" 2>&1 | tail -6) || rc=1
+  for l2 in ${DECODE_CHECK_L2:-}; do
+    (cd /tmp && JAX_SDPA_CUDA_DECODE_L2=$l2 timeout 150 python3 -P $repo/benchmarks/gpu_decode.py \
+       --module --only check --out /tmp 2>&1 | tail -3) || rc=1
+  done
+fi
+if has decode_bench; then
+  say "decode bench (rows beside jax.nn xla / cudnn)"
+  repo=$(pwd)
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-240}" python3 -P \
+     $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
+fi
+if has decode_sweep; then
+  say "decode sweep (knob settings per row)"
+  repo=$(pwd)
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_SWEEP_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/gpu_decode.py --module --only sweep --out "$OUT" 2>&1 \
+     | grep -E "^sweep" | tail -60) || rc=1
+fi
+if has decode_profile; then
+  say "decode profile (device busy / span per call)"
+  repo=$(pwd)
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_PROFILE_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/decode_profile.py --out "$OUT" ${DECODE_PROFILE_ARGS:-} 2>&1 \
+     | grep -v "^      " | tail -40) || rc=1
+fi
+if has flash_check; then
+  say "our CUDA flash kernels: correctness (TF32)"
+  repo=$(pwd)
+  (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
+     --only check --out "$OUT" 2>&1 | grep -E "FAIL|check:|Error|error" | tail -20) || rc=1
 fi
 
 if has flash; then

@@ -27,11 +27,12 @@ bool dims_built(int64_t d, int64_t dv) {
 }
 
 KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block, int warps,
-                         int stages) {
+                         int stages, int prefetch) {
   switch (dtype) {
-    case DType::kF32: return select_f32(d, dv);
-    case DType::kF16: return select_f16(d, dv, rows_per_block == 16, warps, stages);
-    case DType::kBF16: return select_bf16(d, dv, rows_per_block == 16, warps, stages);
+    case DType::kF32: return select_f32(d, dv, prefetch);
+    case DType::kF16: return select_f16(d, dv, rows_per_block == 16, warps, stages, prefetch);
+    case DType::kBF16:
+      return select_bf16(d, dv, rows_per_block == 16, warps, stages, prefetch);
   }
   return KernelInfo{};
 }
@@ -157,9 +158,9 @@ WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t un
   return w;
 }
 
-KernelInfo select_f32(int64_t d, int64_t dv) {
+KernelInfo select_f32(int64_t d, int64_t dv, int prefetch) {
 #define JAX_SDPA_X(D_, DV_) \
-  if (d == D_ && dv == DV_) return simt_info<D_, DV_>();
+  if (d == D_ && dv == DV_) return simt_select<D_, DV_>(prefetch);
   JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
 #undef JAX_SDPA_X
   return KernelInfo{};
@@ -189,6 +190,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
   }
+  const int want_pf = env_int("JAX_SDPA_CUDA_DECODE_L2", 0);
   int want_w = 0, want_s = 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
     if (std::sscanf(v, "%d,%d", &want_w, &want_s) != 2) want_w = want_s = 0;
@@ -200,13 +202,14 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
-  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want_w, want_s);
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want_w, want_s, want_pf);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   // A kernel past the device's smem limit (an A100 has 163 KB a block) falls back to
   // the 150 KB D512 variants.
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
     if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
-    KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second);
+    KernelInfo alt =
+        select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second, 0);
     if (alt.func != nullptr && alt.smem < k.smem) k = alt;
   }
   if (k.smem > f.max_smem_optin) return cudaErrorInvalidConfiguration;
@@ -220,6 +223,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   plan->tensor_cores = k.tensor_cores;
   plan->warps = k.warps;
   plan->stages = k.stages;
+  plan->prefetch = k.prefetch;
   const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
   const int esz = p.dtype == DType::kF32 ? 4 : 2;
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
@@ -256,13 +260,13 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> W%d S%d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "dtype%d -> W%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype), k.warps,
-                  k.stages, rb, plan->row_chunks, n, occ, k.smem,
+                  k.stages, k.prefetch, rb, plan->row_chunks, n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
                   workspace_bytes);
     static std::mutex mu;
@@ -281,8 +285,9 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (rows == 0) return cudaSuccess;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
-                               plan.warps, plan.stages);
-  if (k.func == nullptr || (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))
+                               plan.warps, plan.stages, plan.prefetch);
+  if (k.func == nullptr || k.prefetch != plan.prefetch ||
+      (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))
     return cudaErrorInvalidValue;
 
   Args a{};

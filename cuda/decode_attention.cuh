@@ -60,7 +60,7 @@ struct Args {
 
 // ---- small device helpers ----------------------------------------------------
 
-using cuda_common::cp_async16;
+using cuda_common::cp_async16_l2;
 using cuda_common::cp_async_commit;
 using cuda_common::cp_async_wait;
 using cuda_common::from_float;
@@ -364,7 +364,7 @@ __device__ __forceinline__ void split_range(const Args& a, int b, int kvh, int r
 // a row is whole warps (C % 32 == 0), each lane keeps one source pointer and steps it
 // by a constant: a few instructions per 16-byte copy instead of an index division and
 // a 64-bit multiply each.
-template <typename T, int C, int P>
+template <typename T, int C, int P, int PF>
 __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int j0, int jend,
                                           int lane) {
   constexpr int EPV = 16 / sizeof(T);
@@ -376,7 +376,7 @@ __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int
 #pragma unroll
     for (int m = 0; m < kTileKeys / KPI; ++m) {
       const bool ok = j0 + key0 + m * KPI < jend;
-      cp_async16(d + m * KPI * P, ok ? src : base, ok);
+      cp_async16_l2<PF>(d + m * KPI * P, ok ? src : base, ok);
       src += KPI * st;
     }
   } else if constexpr (C % 32 == 0) {
@@ -387,7 +387,7 @@ __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int
       const bool ok = j0 + key < jend;
 #pragma unroll
       for (int q = 0; q < C / 32; ++q)
-        cp_async16(d + key * P + 32 * q * EPV, ok ? src + 32 * q * EPV : base, ok);
+        cp_async16_l2<PF>(d + key * P + 32 * q * EPV, ok ? src + 32 * q * EPV : base, ok);
       src += st;
     }
   } else {
@@ -396,19 +396,19 @@ __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int
       const int key = idx / C, c = idx - key * C;
       const int j = j0 + key;
       const bool ok = j < jend;
-      cp_async16(dst + key * P + c * EPV, base + (ok ? j * st : 0) + c * EPV, ok);
+      cp_async16_l2<PF>(dst + key * P + c * EPV, base + (ok ? j * st : 0) + c * EPV, ok);
     }
   }
 }
 
 // Issues the cp.async copies of one 16-key tile of K (D wide) and V (DV wide)
-// into a ring stage [16][DP] + [16][DVP].
-template <typename T, int D, int DV, int DP, int DVP>
+// into a ring stage [16][DP] + [16][DVP]; PF: L2 prefetch bytes (0, 128, 256).
+template <typename T, int D, int DV, int DP, int DVP, int PF>
 __device__ __forceinline__ void load_tile(T* stage, const T* kbase, const T* vbase, int64_t kst,
                                           int64_t vst, int j0, int jend, int lane) {
   constexpr int EPV = 16 / sizeof(T);
-  load_rows<T, D / EPV, DP>(stage, kbase, kst, j0, jend, lane);
-  load_rows<T, DV / EPV, DVP>(stage + kTileKeys * DP, vbase, vst, j0, jend, lane);
+  load_rows<T, D / EPV, DP, PF>(stage, kbase, kst, j0, jend, lane);
+  load_rows<T, DV / EPV, DVP, PF>(stage + kTileKeys * DP, vbase, vst, j0, jend, lane);
 }
 
 // ---- bf16 / fp16: tensor cores -------------------------------------------------
@@ -436,7 +436,7 @@ struct TcConfig {
       (kQBytes + kRingBytes) > kRedBytes ? (kQBytes + kRingBytes) : kRedBytes;
 };
 
-template <typename T, int D, int DV, int NT, int W, int S>
+template <typename T, int D, int DV, int NT, int W, int S, int PF>
 __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
     if (st < my_tiles)
-      load_tile<T, D, DV, DP, DVP>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
+      load_tile<T, D, DV, DP, DVP, PF>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
                                    ks0 + (w + st * W) * kTileKeys, ks1, lane);
     cp_async_commit();
   }
@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
     {
       const int nx = it + S - 1;
       if (nx < my_tiles)
-        load_tile<T, D, DV, DP, DVP>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2], a.vs[2],
+        load_tile<T, D, DV, DP, DVP, PF>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2], a.vs[2],
                                      ks0 + (w + nx * W) * kTileKeys, ks1, lane);
       cp_async_commit();
     }
@@ -733,7 +733,7 @@ struct SimtConfig {
       (kHead + kRingBytes) > kRedBytes ? (kHead + kRingBytes) : kRedBytes;
 };
 
-template <int D, int DV, int W, int S>
+template <int D, int DV, int W, int S, int PF>
 __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
   using Cfg = SimtConfig<D, DV, W, S>;
   constexpr int RB = Cfg::RB, DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
@@ -770,7 +770,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
     if (st < my_tiles)
-      load_tile<float, D, DV, DP, DVP>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
+      load_tile<float, D, DV, DP, DVP, PF>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
                                        ks0 + (w + st * W) * kTileKeys, ks1, lane);
     cp_async_commit();
   }
@@ -809,7 +809,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
     {
       const int nx = it + S - 1;
       if (nx < my_tiles)
-        load_tile<float, D, DV, DP, DVP>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2],
+        load_tile<float, D, DV, DP, DVP, PF>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2],
                                          a.vs[2], ks0 + (w + nx * W) * kTileKeys, ks1, lane);
       cp_async_commit();
     }

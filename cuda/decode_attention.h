@@ -54,6 +54,7 @@ struct DecodePlan {
   int num_sms = 1;
   bool tensor_cores = false;
   int warps = 0, stages = 0;   // the main kernel's W x S (tensor cores: variant chosen)
+  int prefetch = 0;            // L2 prefetch bytes of the K/V copies (0, 128, 256)
   bool fused_combine = false;  // last split block merges (no combine launch)
   WorkspaceLayout workspace;   // where the partials / counters go (bytes <= workspace given)
 };
@@ -71,6 +72,7 @@ std::string unsupported_reason(const SdpaParams& p);
 //   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel   how split partials merge (auto: fused
 //                                     when the last block's merge is short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
+//   JAX_SDPA_CUDA_DECODE_L2=0|128|256 L2 prefetch size of the K/V copies, where built
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

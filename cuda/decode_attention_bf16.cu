@@ -4,13 +4,14 @@
 namespace jax_sdpa {
 namespace cuda_decode {
 
-KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages) {
+KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages,
+                        int prefetch) {
 #define JAX_SDPA_X(D_, DV_)                                                   \
   if (d == D_ && dv == DV_) {                                                 \
     if constexpr (DV_ <= 256) {                                               \
-      if (rows16) return tc_select<__nv_bfloat16, D_, DV_, 2>(warps, stages); \
+      if (rows16) return tc_select<__nv_bfloat16, D_, DV_, 2>(warps, stages, prefetch); \
     }                                                                         \
-    return tc_select<__nv_bfloat16, D_, DV_, 1>(warps, stages);               \
+    return tc_select<__nv_bfloat16, D_, DV_, 1>(warps, stages, prefetch);               \
   }
   JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
 #undef JAX_SDPA_X

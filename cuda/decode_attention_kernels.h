@@ -33,14 +33,17 @@ struct KernelInfo {
   size_t smem = 0;
   bool tensor_cores = false;
   int warps = 0, stages = 0;  // W, S of the kernel (for the split heuristic and reports)
+  int prefetch = 0;           // L2 prefetch bytes of its K/V copies (0, 128, 256)
 };
 
 // Null func when (d, dv) is not built. rows16: 16 query rows per block.
 // warps / stages: a tensor-core variant (W, S) to use when it is built for these
 // head dims (tc_select below), 0 / unbuilt -> the default for the dims.
-KernelInfo select_f32(int64_t d, int64_t dv);
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, int warps, int stages);
-KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages);
+// prefetch: the L2 prefetch size of the K/V copies (0, 128, 256) where a variant
+// with it is built (kPrefetchBuilt), else the default.
+KernelInfo select_f32(int64_t d, int64_t dv, int prefetch);
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, int warps, int stages, int prefetch);
+KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages, int prefetch);
 
 // Separate split-K combine: one thread per (output row, 4 dv); 128 threads a block.
 template <typename T, int DV>
@@ -48,14 +51,14 @@ void launch_combine(const Args& a, dim3 grid, cudaStream_t st) {
   combine_kernel<T, DV><<<grid, 128, 0, st>>>(a);
 }
 
-template <typename T, int D, int DV, int NT, int W, int S>
+template <typename T, int D, int DV, int NT, int W, int S, int PF = 0>
 KernelInfo tc_info() {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_tc_kernel: too much shared memory");
   KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_tc_kernel<T, D, DV, NT, W, S>);
+  k.func = reinterpret_cast<const void*>(&decode_tc_kernel<T, D, DV, NT, W, S, PF>);
   k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    decode_tc_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a);
+    decode_tc_kernel<T, D, DV, NT, W, S, PF><<<grid, threads, smem, st>>>(a);
   };
   k.combine = &launch_combine<T, DV>;
   k.threads = Cfg::kThreads;
@@ -63,8 +66,15 @@ KernelInfo tc_info() {
   k.tensor_cores = true;
   k.warps = W;
   k.stages = S;
+  k.prefetch = PF;
   return k;
 }
+
+// Head dims with L2-prefetch variants (compile time: the benchmark rows' dims only),
+// picked per call with JAX_SDPA_CUDA_DECODE_L2=128|256 (the W,S default and, at D128,
+// W8 S2; 8 query rows a block).
+template <int D, int DV>
+constexpr bool kPrefetchBuilt = (D == 128 && DV == 128) || (D == 512 && DV == 512);
 
 // Warps per block (W) and per-warp ring depth (S), each stage one 16-key tile of
 // K and V per warp: bytes in flight per SM = blocks/SM x W x (S - 1..S) tiles.
@@ -83,7 +93,17 @@ struct TcDefault {
 };
 
 template <typename T, int D, int DV, int NT>
-KernelInfo tc_select(int w, int s) {
+KernelInfo tc_select(int w, int s, int pf) {
+  if constexpr (kPrefetchBuilt<D, DV> && NT == 1) {
+    constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
+    const bool dflt = (w == 0 && s == 0) || (w == W0 && s == S0);
+    if (dflt && pf == 128) return tc_info<T, D, DV, NT, W0, S0, 128>();
+    if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
+    if constexpr (D == 128) {
+      if (w == 8 && s == 2 && pf == 128) return tc_info<T, D, DV, NT, 8, 2, 128>();
+      if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
+    }
+  }
   if constexpr (D == 128 && DV == 128) {
     // smem (KB) / blocks per SM: W2S4 81/2, W3S3 90/2, W2S5 100/2, W4S3 119/1, W4S4 157/1,
     // W8S2 157/1.
@@ -103,15 +123,15 @@ KernelInfo tc_select(int w, int s) {
   return tc_info<T, D, DV, NT, TcDefault<D, DV>::W, TcDefault<D, DV>::S>();
 }
 
-template <int D, int DV>
+template <int D, int DV, int PF = 0>
 KernelInfo simt_info() {
   constexpr int W = (D + DV <= 512) ? 4 : 2;
   constexpr int S = 1;
   using Cfg = SimtConfig<D, DV, W, S>;
   KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_simt_kernel<D, DV, W, S>);
+  k.func = reinterpret_cast<const void*>(&decode_simt_kernel<D, DV, W, S, PF>);
   k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    decode_simt_kernel<D, DV, W, S><<<grid, threads, smem, st>>>(a);
+    decode_simt_kernel<D, DV, W, S, PF><<<grid, threads, smem, st>>>(a);
   };
   k.combine = &launch_combine<float, DV>;
   k.threads = Cfg::kThreads;
@@ -119,7 +139,17 @@ KernelInfo simt_info() {
   k.tensor_cores = false;
   k.warps = W;
   k.stages = S;
+  k.prefetch = PF;
   return k;
+}
+
+template <int D, int DV>
+KernelInfo simt_select(int pf) {
+  if constexpr (kPrefetchBuilt<D, DV>) {
+    if (pf == 128) return simt_info<D, DV, 128>();
+    if (pf == 256) return simt_info<D, DV, 256>();
+  }
+  return simt_info<D, DV>();
 }
 
 }  // namespace cuda_decode

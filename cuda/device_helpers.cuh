@@ -18,6 +18,27 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
                : "memory");
 }
+// The same copy with an L2 prefetch hint: the L2 fetches the whole aligned
+// `kPrefetch`-byte block (128 or 256) around the address from DRAM (streaming reads:
+// fewer, longer DRAM bursts); kPrefetch == 0 is the plain copy above.
+template <int kPrefetch>
+__device__ __forceinline__ void cp_async16_l2(void* smem, const void* gmem, bool pred) {
+  static_assert(kPrefetch == 0 || kPrefetch == 128 || kPrefetch == 256, "L2 prefetch size");
+  if constexpr (kPrefetch == 0) {
+    cp_async16(smem, gmem, pred);
+  } else {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int n = pred ? 16 : 0;
+    if constexpr (kPrefetch == 128)
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s),
+                   "l"(gmem), "r"(n)
+                   : "memory");
+    else
+      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s),
+                   "l"(gmem), "r"(n)
+                   : "memory");
+  }
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
