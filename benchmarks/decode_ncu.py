@@ -1,17 +1,20 @@
 """One decode call per benchmark row, for Nsight Compute to profile (the kernels'
-memory throughput, stall reasons and occupancy):
+memory throughput, stall reasons, occupancy and launch configuration), ours and,
+with --peers, jax.nn's cudnn and xla implementations of the same call:
 
-    ncu -k regex:decode_ --section SpeedOfLight --section WarpStateStats ... \
-        python3 -P benchmarks/decode_ncu.py [--rows 0,2,3]
+    ncu --clock-control none -k regex:'decode_|flash|sdpa|gemm|fusion' \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 -P benchmarks/decode_ncu.py --rows 0 --peers cudnn
 
-Each row runs its call twice (compile + one more), so profile with --launch-skip 0
-and count two launches per row (plus the combine kernel where it runs).
+Each call runs twice (compile + one more): profile the second (--launch-skip).
 """
 import argparse
 import os
 import sys
 
 import jax
+import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_decode as gd  # noqa: E402
@@ -20,6 +23,7 @@ import gpu_decode as gd  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="0,2,3")
+    ap.add_argument("--peers", default="", help="comma list of jax.nn implementations: cudnn,xla")
     args = ap.parse_args()
     gd.register(use_module=True)
     for i in args.rows.split(","):
@@ -28,7 +32,17 @@ def main():
         f = jax.jit(lambda q, k, v: gd.ours(q, k, v)[0])
         for _ in range(2):
             jax.block_until_ready(f(q, k, v))
-        print("ran", name, flush=True)
+        print("ran ours", name, flush=True)
+        qs, ks, vs = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # jax.nn: [B, L, H, D]
+        for impl in filter(None, args.peers.split(",")):
+            g = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+                q, k, v, implementation=impl))
+            try:
+                for _ in range(2):
+                    jax.block_until_ready(g(qs, ks, vs))
+                print("ran", impl, name, flush=True)
+            except Exception as e:  # noqa: BLE001 (cudnn refuses fp32, D > 256)
+                print("skip", impl, name, str(e).splitlines()[0][:100], flush=True)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,11 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 # Knob settings per row (JAX_SDPA_CUDA_DECODE_*; {} = the defaults), then the peers.
 VARIANTS = {  # L2: the K/V copies' L2 prefetch size (JAX_SDPA_CUDA_DECODE_L2)
-    0: [{}, {"L2": "128"}, {"L2": "256"}, {"CFG": "8,2", "L2": "256"}],
-    1: [{}, {"L2": "256"}],
-    2: [{}, {"L2": "256"}],
-    3: [{}, {"L2": "256"}],
-    4: [{}, {"L2": "256"}],
+    0: [{}, {"L2": "0"}, {"CFG": "8,2"}],
+    1: [{}, {"L2": "0"}],
+    2: [{}, {"L2": "0"}],
+    3: [{}, {"L2": "0"}],
+    4: [{}, {"L2": "0"}],
 }
 
 

@@ -2,7 +2,7 @@
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
-#                                           decode_profile flash_check api
+#                                           decode_profile decode_ncu flash_check api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -126,6 +126,17 @@ if has decode_profile; then
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_PROFILE_TIMEOUT:-200}" python3 -P \
      $repo/benchmarks/decode_profile.py --out "$OUT" ${DECODE_PROFILE_ARGS:-} 2>&1 \
      | grep -v "^      " | tail -40) || rc=1
+fi
+if has decode_ncu; then
+  say "Nsight Compute: our decode kernel beside cuDNN's on rows ${NCU_ROWS:-0} (real clocks)"
+  repo=$(pwd)
+  (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
+     -k regex:'decode_|flash|sdpa|combine' --section SpeedOfLight --section LaunchStats \
+     --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
+     --section SchedulerStats python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} \
+     --peers cudnn > "$OUT/decode_ncu.txt" 2>&1; \
+   grep -E "^  [a-z_ ]*(void|sdpa|cudnn|flash)|Duration|DRAM Through|Memory Through|Grid Size|Block Size|Registers|Shared Memory Config|Dynamic Shared|Waves Per|Achieved Occ|Eligible Warps|Issued Warp|Warp Cycles Per Issued|L2 Hit|Mem Busy|Max Bandwidth" \
+     "$OUT/decode_ncu.txt" | head -120) || rc=1
 fi
 if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"

@@ -190,7 +190,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
   }
-  const int want_pf = env_int("JAX_SDPA_CUDA_DECODE_L2", 0);
+  const int want_pf = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
   int want_w = 0, want_s = 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
     if (std::sscanf(v, "%d,%d", &want_w, &want_s) != 2) want_w = want_s = 0;
@@ -209,7 +209,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
     if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
     KernelInfo alt =
-        select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second, 0);
+        select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second, -1);
     if (alt.func != nullptr && alt.smem < k.smem) k = alt;
   }
   if (k.smem > f.max_smem_optin) return cudaErrorInvalidConfiguration;

@@ -73,6 +73,7 @@ std::string unsupported_reason(const SdpaParams& p);
 //                                     when the last block's merge is short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_L2=0|128|256 L2 prefetch size of the K/V copies, where built
+//                                     (unset: 128 on tensor cores, 0 for fp32)
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

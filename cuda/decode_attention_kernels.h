@@ -40,7 +40,7 @@ struct KernelInfo {
 // warps / stages: a tensor-core variant (W, S) to use when it is built for these
 // head dims (tc_select below), 0 / unbuilt -> the default for the dims.
 // prefetch: the L2 prefetch size of the K/V copies (0, 128, 256) where a variant
-// with it is built (kPrefetchBuilt), else the default.
+// with it is built (kPrefetchBuilt), else (and for -1) the kernel's default.
 KernelInfo select_f32(int64_t d, int64_t dv, int prefetch);
 KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, int warps, int stages, int prefetch);
 KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages, int prefetch);
@@ -70,9 +70,14 @@ KernelInfo tc_info() {
   return k;
 }
 
-// Head dims with L2-prefetch variants (compile time: the benchmark rows' dims only),
-// picked per call with JAX_SDPA_CUDA_DECODE_L2=128|256 (the W,S default and, at D128,
+// The tensor-core kernels' K/V copies ask the L2 for whole 128-byte lines: on the H200
+// (benchmarks/results/gpu_decode_sweep_20261130T1339.json, GB/s, none / 128 / 256):
+// B8 Lk8192 D128 3219 / 3306 / 3107, B1 Lk32768 2739 / 2786 / 2632, B64 Lk2048
+// 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818. The fp32 kernel keeps none (256: no
+// change). Variants without the hint and with 256 bytes are built for the dims below,
+// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256 (the W,S default and, at D128,
 // W8 S2; 8 query rows a block).
+constexpr int kTcPrefetch = 128;
 template <int D, int DV>
 constexpr bool kPrefetchBuilt = (D == 128 && DV == 128) || (D == 512 && DV == 512);
 
@@ -94,33 +99,33 @@ struct TcDefault {
 
 template <typename T, int D, int DV, int NT>
 KernelInfo tc_select(int w, int s, int pf) {
+  constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
   if constexpr (kPrefetchBuilt<D, DV> && NT == 1) {
-    constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
     const bool dflt = (w == 0 && s == 0) || (w == W0 && s == S0);
-    if (dflt && pf == 128) return tc_info<T, D, DV, NT, W0, S0, 128>();
+    if (dflt && pf == 0) return tc_info<T, D, DV, NT, W0, S0, 0>();
     if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
     if constexpr (D == 128) {
-      if (w == 8 && s == 2 && pf == 128) return tc_info<T, D, DV, NT, 8, 2, 128>();
+      if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
     }
   }
   if constexpr (D == 128 && DV == 128) {
     // smem (KB) / blocks per SM: W2S4 81/2, W3S3 90/2, W2S5 100/2, W4S3 119/1, W4S4 157/1,
     // W8S2 157/1.
-    if (w == 2 && s == 4) return tc_info<T, D, DV, NT, 2, 4>();
-    if (w == 3 && s == 3) return tc_info<T, D, DV, NT, 3, 3>();
-    if (w == 2 && s == 5) return tc_info<T, D, DV, NT, 2, 5>();
-    if (w == 4 && s == 3) return tc_info<T, D, DV, NT, 4, 3>();
-    if (w == 4 && s == 4) return tc_info<T, D, DV, NT, 4, 4>();
-    if (w == 8 && s == 2) return tc_info<T, D, DV, NT, 8, 2>();
+    if (w == 2 && s == 4) return tc_info<T, D, DV, NT, 2, 4, kTcPrefetch>();
+    if (w == 3 && s == 3) return tc_info<T, D, DV, NT, 3, 3, kTcPrefetch>();
+    if (w == 2 && s == 5) return tc_info<T, D, DV, NT, 2, 5, kTcPrefetch>();
+    if (w == 4 && s == 3) return tc_info<T, D, DV, NT, 4, 3, kTcPrefetch>();
+    if (w == 4 && s == 4) return tc_info<T, D, DV, NT, 4, 4, kTcPrefetch>();
+    if (w == 8 && s == 2) return tc_info<T, D, DV, NT, 8, 2, kTcPrefetch>();
   }
   if constexpr (D == 512 && DV == 512) {
     // smem (KB) / blocks per SM: W3S2 217/1, W2S2 150/1, W2S3 217/1.
-    if (w == 3 && s == 2) return tc_info<T, D, DV, NT, 3, 2>();
-    if (w == 2 && s == 2) return tc_info<T, D, DV, NT, 2, 2>();
-    if (w == 2 && s == 3) return tc_info<T, D, DV, NT, 2, 3>();
+    if (w == 3 && s == 2) return tc_info<T, D, DV, NT, 3, 2, kTcPrefetch>();
+    if (w == 2 && s == 2) return tc_info<T, D, DV, NT, 2, 2, kTcPrefetch>();
+    if (w == 2 && s == 3) return tc_info<T, D, DV, NT, 2, 3, kTcPrefetch>();
   }
-  return tc_info<T, D, DV, NT, TcDefault<D, DV>::W, TcDefault<D, DV>::S>();
+  return tc_info<T, D, DV, NT, W0, S0, kTcPrefetch>();
 }
 
 template <int D, int DV, int PF = 0>
