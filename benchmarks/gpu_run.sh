@@ -2,7 +2,7 @@
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
-#                                           decode_profile decode_ncu flash_check api
+#                                           decode_profile decode_ncu decode_crossover flash_check api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -112,6 +112,12 @@ if has decode_bench; then
   repo=$(pwd)
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-240}" python3 -P \
      $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
+fi
+if has decode_crossover; then
+  say "decode crossover vs cuDNN (B, Lk, query rows per kv head)"
+  repo=$(pwd)
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P $repo/benchmarks/gpu_decode.py \
+     --module --only crossover --out "$OUT" 2>&1 | grep -E "^crossover" | tail -20) || rc=1
 fi
 if has decode_sweep; then
   say "decode sweep (knob settings per row)"
