@@ -134,15 +134,22 @@ if has decode_profile; then
      | grep -v "^      " | tail -40) || rc=1
 fi
 if has decode_ncu; then
-  say "Nsight Compute: our decode kernel beside cuDNN's on rows ${NCU_ROWS:-0} (real clocks)"
+  # NCU_L2: our kernels under each JAX_SDPA_CUDA_DECODE_L2 setting ("-" = default);
+  # NCU_PEERS: jax.nn implementations profiled beside them (first setting only).
+  say "Nsight Compute: our decode kernel (L2 settings: ${NCU_L2:--}) beside ${NCU_PEERS-cudnn} on rows ${NCU_ROWS:-0} (real clocks)"
   repo=$(pwd)
-  (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
+  peers=${NCU_PEERS-cudnn}
+  for l2 in ${NCU_L2:--}; do
+    (cd /tmp && { [ "$l2" = "-" ] || export JAX_SDPA_CUDA_DECODE_L2=$l2; } && \
+     timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:'decode_|flash|sdpa|combine' --section SpeedOfLight --section LaunchStats \
      --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
      --section SchedulerStats python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} \
-     --peers cudnn > "$OUT/decode_ncu.txt" 2>&1; \
-   grep -E "^  [a-z_ ]*(void|sdpa|cudnn|flash)|Duration|DRAM Through|Memory Through|Grid Size|Block Size|Registers|Shared Memory Config|Dynamic Shared|Waves Per|Achieved Occ|Eligible Warps|Issued Warp|Warp Cycles Per Issued|L2 Hit|Mem Busy|Max Bandwidth" \
-     "$OUT/decode_ncu.txt" | head -120) || rc=1
+     --peers "$peers" >> "$OUT/decode_ncu.txt" 2>&1) || rc=1
+    peers=""
+  done
+  grep -E "^  [a-z_ ]*(void|sdpa|cudnn|flash)|Duration|DRAM Through|L2 Cache Through|L2 Hit|Mem Busy|Issued Warp|Registers Per" \
+     "$OUT/decode_ncu.txt" | head -120
 fi
 if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"

@@ -61,6 +61,7 @@ struct Args {
 // ---- small device helpers ----------------------------------------------------
 
 using cuda_common::cp_async16_l2;
+using cuda_common::kCopyPlain;
 using cuda_common::cp_async_commit;
 using cuda_common::cp_async_wait;
 using cuda_common::from_float;
