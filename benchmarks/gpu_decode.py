@@ -427,19 +427,18 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # Target rows x knob settings. CFG = tensor-core warps,stages (built for D128 and
 # D512 only, cuda/decode_attention_kernels.h); L2 = the K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
-# default W,S and D128 W8 S2; 129 = 128 with plain, not zero-fill, copies); SPLITS pins the
+# default W,S and D128 W8 S2; 129 = 128 with plain, not zero-fill, copies; 130 = 128 with
+# unpadded smem rows); SPLITS pins the
 # split count; COMBINE picks the split-K merge. {} = the defaults.
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
 SWEEP = [
     (BENCH_ROWS[0],
-     [{}, {"L2": "0"}, {"L2": "129"}, {"CFG": "8,2"}, {"CFG": "8,2", "L2": "129"},
-      {"SPLITS": "4"}, {"SPLITS": "4", "L2": "129"}]),
-    (BENCH_ROWS[1],
-     [{}, {"L2": "0"}, {"L2": "129"}, {"SPLITS": "33", "L2": "129"}]),
-    (BENCH_ROWS[2], [{}, {"L2": "129"}]),
-    (BENCH_ROWS[4], [{}, {"L2": "0"}, {"L2": "129"}]),
-    (BENCH_ROWS[5], [{}, {"L2": "128"}, {"L2": "129"}]),
-    (BENCH_ROWS[7], [{}, {"L2": "129"}]),
+     [{}, {"L2": "0"}, {"L2": "129"}, {"L2": "130"}, {"CFG": "8,2"}, {"CFG": "8,2", "L2": "130"},
+      {"CFG": "8,2", "L2": "129"}]),
+    (BENCH_ROWS[1], [{}, {"L2": "130"}, {"CFG": "8,2", "L2": "130"}]),
+    (BENCH_ROWS[2], [{}, {"L2": "130"}]),
+    (BENCH_ROWS[4], [{}, {"L2": "130"}, {"CFG": "8,2", "L2": "130"}]),
+    (BENCH_ROWS[5], [{}, {"L2": "128"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2")

@@ -53,7 +53,7 @@ void launch_combine(const Args& a, dim3 grid, cudaStream_t st) {
 
 template <typename T, int D, int DV, int NT, int W, int S, int PF = 0>
 KernelInfo tc_info() {
-  using Cfg = TcConfig<T, D, DV, NT, W, S>;
+  using Cfg = TcConfig<T, D, DV, NT, W, S, PF>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_tc_kernel: too much shared memory");
   KernelInfo k;
   k.func = reinterpret_cast<const void*>(&decode_tc_kernel<T, D, DV, NT, W, S, PF>);
@@ -75,8 +75,8 @@ KernelInfo tc_info() {
 // B8 Lk8192 D128 3219 / 3306 / 3107, B1 Lk32768 2739 / 2786 / 2632, B64 Lk2048
 // 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818. The fp32 kernel keeps none (256: no
 // change). Variants without the hint and with 256 bytes are built for the dims below,
-// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|129 (129: 128 with plain copies,
-// cp_async16_l2) (the W,S default and, at D128, W8 S2; 8 query rows a block).
+// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|129|130 (129: 128 with plain copies,
+// cp_async16_l2; 130: 128 with unpadded smem rows, TcConfig) (the W,S default and, at D128, W8 S2; 8 query rows a block).
 constexpr int kTcPrefetch = 128;
 template <int D, int DV>
 constexpr bool kPrefetchBuilt = (D == 128 && DV == 128) || (D == 512 && DV == 512);
@@ -105,9 +105,11 @@ KernelInfo tc_select(int w, int s, int pf) {
     if (dflt && pf == 0) return tc_info<T, D, DV, NT, W0, S0, 0>();
     if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
     if (dflt && pf == 128 + kCopyPlain) return tc_info<T, D, DV, NT, W0, S0, 128 + kCopyPlain>();
+    if (dflt && pf == 128 + kNoPad) return tc_info<T, D, DV, NT, W0, S0, 128 + kNoPad>();
     if constexpr (D == 128) {
       if (w == 8 && s == 2 && pf == 128 + kCopyPlain)
         return tc_info<T, D, DV, NT, 8, 2, 128 + kCopyPlain>();
+      if (w == 8 && s == 2 && pf == 128 + kNoPad) return tc_info<T, D, DV, NT, 8, 2, 128 + kNoPad>();
       if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
     }

@@ -26,7 +26,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
 constexpr int kCopyPlain = 1;
 template <int kMode>
 __device__ __forceinline__ void cp_async16_l2(void* smem, const void* gmem, bool pred) {
-  constexpr int kPrefetch = kMode & ~kCopyPlain;
+  constexpr int kPrefetch = kMode & ~3;  // bit 1: the caller's (decode: kNoPad)
   static_assert(kPrefetch == 0 || kPrefetch == 128 || kPrefetch == 256, "L2 prefetch size");
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   if constexpr ((kMode & kCopyPlain) != 0) {
