@@ -428,20 +428,23 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # D512 only, cuda/decode_attention_kernels.h); L2 = the K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
 # default W,S and D128 W8 S2; 129 = 128 with plain, not zero-fill, copies; 130 = 128 with
-# unpadded smem rows); SPLITS pins the
+# unpadded smem rows); WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512});
+# MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the
 # split count; COMBINE picks the split-K merge. {} = the defaults.
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
 SWEEP = [
-    (BENCH_ROWS[0],
-     [{}, {"L2": "0"}, {"L2": "129"}, {"L2": "130"}, {"CFG": "8,2"}, {"CFG": "8,2", "L2": "130"},
-      {"CFG": "8,2", "L2": "129"}]),
-    (BENCH_ROWS[1], [{}, {"L2": "130"}, {"CFG": "8,2", "L2": "130"}]),
-    (BENCH_ROWS[2], [{}, {"L2": "130"}]),
-    (BENCH_ROWS[4], [{}, {"L2": "130"}, {"CFG": "8,2", "L2": "130"}]),
-    (BENCH_ROWS[5], [{}, {"L2": "128"}]),
+    (BENCH_ROWS[0], [{}, {"L2": "0"}]),
+    (BENCH_ROWS[2],
+     [{}, {"WIDE": "4,3"}, {"WIDE": "4,4"}, {"WIDE": "8,3"}, {"WIDE": "8,4"},
+      {"WIDE": "4,4", "MIN_SPLIT_KB": "32"}]),
+    (BENCH_ROWS[3],
+     [{}, {"WIDE": "4,4"}, {"WIDE": "8,4"}, {"WIDE": "4,4", "MIN_SPLIT_KB": "32"},
+      {"WIDE": "8,4", "MIN_SPLIT_KB": "32"}]),
+    (BENCH_ROWS[5], [{}, {"L2": "0"}]),
+    (BENCH_ROWS[7], [{}, {"L2": "0"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2")
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "MIN_SPLIT_KB")
 
 
 def run_sweep(copy_bw, budget_s=150.0):

@@ -106,6 +106,12 @@ if has decode_check; then
     (cd /tmp && JAX_SDPA_CUDA_DECODE_L2=$l2 timeout 150 python3 -P $repo/benchmarks/gpu_decode.py \
        --module --only check --out /tmp 2>&1 | tail -3) || rc=1
   done
+  for wide in ${DECODE_CHECK_WIDE:-}; do  # wide-head kernel variants (NW,S)
+    say "decode check, JAX_SDPA_CUDA_DECODE_WIDE=$wide"
+    (cd /tmp && JAX_SDPA_CUDA_DECODE_WIDE=$wide timeout 150 python3 -P \
+       $repo/benchmarks/gpu_decode.py --module --only check --out /tmp 2>&1 \
+       | grep -E "^FAIL|^ERR|check:" | tail -12) || rc=1
+  done
 fi
 if has decode_bench; then
   say "decode bench (rows beside jax.nn xla / cudnn)"

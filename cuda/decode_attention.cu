@@ -26,13 +26,12 @@ bool dims_built(int64_t d, int64_t dv) {
   return false;
 }
 
-KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block, int warps,
-                         int stages, int prefetch) {
+KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block,
+                         const KernelChoice& want) {
   switch (dtype) {
-    case DType::kF32: return select_f32(d, dv, prefetch);
-    case DType::kF16: return select_f16(d, dv, rows_per_block == 16, warps, stages, prefetch);
-    case DType::kBF16:
-      return select_bf16(d, dv, rows_per_block == 16, warps, stages, prefetch);
+    case DType::kF32: return select_f32(d, dv, want);
+    case DType::kF16: return select_f16(d, dv, rows_per_block == 16, want);
+    case DType::kBF16: return select_bf16(d, dv, rows_per_block == 16, want);
   }
   return KernelInfo{};
 }
@@ -158,9 +157,9 @@ WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t un
   return w;
 }
 
-KernelInfo select_f32(int64_t d, int64_t dv, int prefetch) {
+KernelInfo select_f32(int64_t d, int64_t dv, const KernelChoice& want) {
 #define JAX_SDPA_X(D_, DV_) \
-  if (d == D_ && dv == DV_) return simt_select<D_, DV_>(prefetch);
+  if (d == D_ && dv == DV_) return simt_select<D_, DV_>(want);
   JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
 #undef JAX_SDPA_X
   return KernelInfo{};
@@ -190,10 +189,18 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
   }
-  const int want_pf = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
-  int want_w = 0, want_s = 0;
+  KernelChoice want;
+  want.prefetch = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
-    if (std::sscanf(v, "%d,%d", &want_w, &want_s) != 2) want_w = want_s = 0;
+    if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
+  }
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
+    int nw = 0, st = 0;
+    if (std::sscanf(v, "%d,%d", &nw, &st) == 2) {
+      want.wide = true;
+      want.warps = nw;
+      want.stages = st;
+    }
   }
   const int64_t min_split_bytes =
       static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", 64))) * 1024;
@@ -202,14 +209,16 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
-  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want_w, want_s, want_pf);
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   // A kernel past the device's smem limit (an A100 has 163 KB a block) falls back to
   // the 150 KB D512 variants.
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
     if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
-    KernelInfo alt =
-        select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, ws.first, ws.second, -1);
+    KernelChoice smaller;
+    smaller.warps = ws.first;
+    smaller.stages = ws.second;
+    KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, smaller);
     if (alt.func != nullptr && alt.smem < k.smem) k = alt;
   }
   if (k.smem > f.max_smem_optin) return cudaErrorInvalidConfiguration;
@@ -224,10 +233,13 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   plan->warps = k.warps;
   plan->stages = k.stages;
   plan->prefetch = k.prefetch;
+  plan->wide = k.wide;
   const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
   const int esz = p.dtype == DType::kF32 ? 4 : 2;
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
-  int64_t min_keys = std::max<int64_t>(16 * k.warps, (min_split_bytes + key_bytes - 1) / key_bytes);
+  // At least one tile per warp (the wide kernel's warps share each tile: two tiles).
+  const int64_t step_keys = k.wide ? 2 * kTileKeys : kTileKeys * k.warps;
+  int64_t min_keys = std::max<int64_t>(step_keys, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0 ? force_splits
                            : snap_splits(choose_splits(units, p.len_kv, f.sms, occ, k.stages, min_keys),
@@ -252,7 +264,8 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // do not fit, the separate combine kernel (no counters) merges instead.
   const bool fused_ok = n > 1 && workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
-  if (combine == Combine::kFused) fused = fused_ok;
+  if (k.wide) fused = false;  // decode_wide_kernel has no fused merge: combine_kernel
+  else if (combine == Combine::kFused) fused = fused_ok;
   else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48;
   plan->fused_combine = fused;
   plan->workspace = workspace_layout(p, n, units, fused);
@@ -260,13 +273,13 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> W%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "dtype%d -> %sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
-                  static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype), k.warps,
-                  k.stages, k.prefetch, rb, plan->row_chunks, n, occ, k.smem,
+                  static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
+                  k.wide ? "wide " : "", k.warps, k.stages, k.prefetch, rb, plan->row_chunks, n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
                   workspace_bytes);
     static std::mutex mu;
@@ -284,9 +297,13 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (rows == 0) return cudaSuccess;
-  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
-                               plan.warps, plan.stages, plan.prefetch);
-  if (k.func == nullptr || k.prefetch != plan.prefetch ||
+  KernelChoice chosen;
+  chosen.warps = plan.warps;
+  chosen.stages = plan.stages;
+  chosen.prefetch = plan.prefetch;
+  chosen.wide = plan.wide;
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block, chosen);
+  if (k.func == nullptr || k.prefetch != plan.prefetch || k.wide != plan.wide ||
       (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))
     return cudaErrorInvalidValue;
 

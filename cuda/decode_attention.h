@@ -55,6 +55,7 @@ struct DecodePlan {
   bool tensor_cores = false;
   int warps = 0, stages = 0;   // the main kernel's W x S (tensor cores: variant chosen)
   int prefetch = 0;            // L2 prefetch bytes of the K/V copies (0, 128, 256)
+  bool wide = false;           // decode_wide_kernel (warps split the head dims)
   bool fused_combine = false;  // last split block merges (no combine launch)
   WorkspaceLayout workspace;   // where the partials / counters go (bytes <= workspace given)
 };
@@ -74,6 +75,8 @@ std::string unsupported_reason(const SdpaParams& p);
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_L2=0|128|256 L2 prefetch size of the K/V copies, where built
 //                                     (unset: 128 on tensor cores, 0 for fp32)
+//   JAX_SDPA_CUDA_DECODE_WIDE=NW,S    the wide-head kernel (D = Dv in {256, 512}, <= 8 rows
+//                                     a block): NW warps splitting the head dims, S stages
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

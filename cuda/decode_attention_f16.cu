@@ -4,14 +4,13 @@
 namespace jax_sdpa {
 namespace cuda_decode {
 
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, int warps, int stages,
-                        int prefetch) {
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelChoice& want) {
 #define JAX_SDPA_X(D_, DV_)                                                   \
   if (d == D_ && dv == DV_) {                                                 \
     if constexpr (DV_ <= 256) {                                               \
-      if (rows16) return tc_select<__half, D_, DV_, 2>(warps, stages, prefetch); \
+      if (rows16) return tc_select<__half, D_, DV_, 2>(want); \
     }                                                                         \
-    return tc_select<__half, D_, DV_, 1>(warps, stages, prefetch);               \
+    return tc_select<__half, D_, DV_, 1>(want);               \
   }
   JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
 #undef JAX_SDPA_X

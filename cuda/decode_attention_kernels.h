@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "decode_attention.cuh"
+#include "decode_wide.cuh"
 
 namespace jax_sdpa {
 namespace cuda_decode {
@@ -34,16 +35,25 @@ struct KernelInfo {
   bool tensor_cores = false;
   int warps = 0, stages = 0;  // W, S of the kernel (for the split heuristic and reports)
   int prefetch = 0;           // L2 prefetch bytes of its K/V copies (0, 128, 256)
+  bool wide = false;          // decode_wide_kernel: warps split the head dims, not the keys
 };
 
-// Null func when (d, dv) is not built. rows16: 16 query rows per block.
-// warps / stages: a tensor-core variant (W, S) to use when it is built for these
-// head dims (tc_select below), 0 / unbuilt -> the default for the dims.
-// prefetch: the L2 prefetch size of the K/V copies (0, 128, 256) where a variant
-// with it is built (kPrefetchBuilt), else (and for -1) the kernel's default.
-KernelInfo select_f32(int64_t d, int64_t dv, int prefetch);
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, int warps, int stages, int prefetch);
-KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, int warps, int stages, int prefetch);
+// Which variant a call asks for (per-call knobs; zeros / -1: the default for the dims).
+// warps / stages: a tensor-core variant (W, S) where built for these head dims
+// (tc_select below); prefetch: the L2 prefetch size of the K/V copies (0, 128, 256)
+// where a variant with it is built (kPrefetchBuilt); wide: decode_wide_kernel with
+// NW = warps, S = stages where built (D = Dv in {256, 512}, 8 rows a block).
+struct KernelChoice {
+  int warps = 0, stages = 0;
+  int prefetch = -1;
+  bool wide = false;
+};
+
+// Null func when (d, dv) is not built. rows16: 16 query rows per block. A choice that
+// is not built for the dims gives the default.
+KernelInfo select_f32(int64_t d, int64_t dv, const KernelChoice& want);
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelChoice& want);
+KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, const KernelChoice& want);
 
 // Separate split-K combine: one thread per (output row, 4 dv); 128 threads a block.
 template <typename T, int DV>
@@ -73,8 +83,9 @@ KernelInfo tc_info() {
 // The tensor-core kernels' K/V copies ask the L2 for whole 128-byte lines: on the H200
 // (benchmarks/results/gpu_decode_sweep_20261130T1339.json, GB/s, none / 128 / 256):
 // B8 Lk8192 D128 3219 / 3306 / 3107, B1 Lk32768 2739 / 2786 / 2632, B64 Lk2048
-// 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818. The fp32 kernel keeps none (256: no
-// change). Variants without the hint and with 256 bytes are built for the dims below,
+// 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818; fp32 B8 Lk8192 D128 3448 / 3525 / -
+// and 3490 / 3574 / - (gpu_decode_sweep_20261130T1348, T1352), so the fp32 kernel too.
+// Variants without the hint and with 256 bytes are built for the dims below,
 // picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|129|130 (129: 128 with plain copies,
 // cp_async16_l2; 130: 128 with unpadded smem rows, TcConfig) (the W,S default and, at D128, W8 S2; 8 query rows a block).
 constexpr int kTcPrefetch = 128;
@@ -97,8 +108,52 @@ struct TcDefault {
   static constexpr int S = (D + DV <= 256) ? 2 : 1;
 };
 
+template <typename T, int D, int DV, int NW, int S, int PF = kTcPrefetch>
+KernelInfo wide_info() {
+  using Cfg = WideConfig<T, D, DV, NW, S>;
+  static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_wide_kernel: too much shared memory");
+  KernelInfo k;
+  k.func = reinterpret_cast<const void*>(&decode_wide_kernel<T, D, DV, NW, S, PF>);
+  k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
+    decode_wide_kernel<T, D, DV, NW, S, PF><<<grid, threads, smem, st>>>(a);
+  };
+  k.combine = &launch_combine<T, DV>;
+  k.threads = Cfg::kThreads;
+  k.smem = Cfg::kSmem;
+  k.tensor_cores = true;
+  k.warps = NW;
+  k.stages = S;
+  k.prefetch = PF;
+  k.wide = true;
+  return k;
+}
+
+// decode_wide_kernel variants: D = Dv in {256, 512}; NW 4 (D512 also 8); S 3 or 4
+// (D512 NW4 S4: 147 KB, 1 block/SM; D256 NW4 S4: 77 KB, 2 blocks/SM).
+template <typename T, int D, int DV>
+KernelInfo wide_select(int nw, int s) {
+  if constexpr (D == DV && (D == 256 || D == 512)) {
+    if (nw == 4 && s == 3) return wide_info<T, D, DV, 4, 3>();
+    if (nw == 4 && s == 4) return wide_info<T, D, DV, 4, 4>();
+    if constexpr (D == 512) {
+      if (nw == 8 && s == 3) return wide_info<T, D, DV, 8, 3>();
+      if (nw == 8 && s == 4) return wide_info<T, D, DV, 8, 4>();
+    }
+  }
+  return KernelInfo{};
+}
+
 template <typename T, int D, int DV, int NT>
-KernelInfo tc_select(int w, int s, int pf) {
+KernelInfo tc_select(const KernelChoice& want) {
+  int w = want.warps, s = want.stages;
+  const int pf = want.prefetch;
+  if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default
+    if constexpr (NT == 1) {
+      KernelInfo k = wide_select<T, D, DV>(w, s);
+      if (k.func != nullptr) return k;
+    }
+    w = s = 0;
+  }
   constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
   if constexpr (kPrefetchBuilt<D, DV> && NT == 1) {
     const bool dflt = (w == 0 && s == 0) || (w == W0 && s == S0);
@@ -133,7 +188,7 @@ KernelInfo tc_select(int w, int s, int pf) {
   return tc_info<T, D, DV, NT, W0, S0, kTcPrefetch>();
 }
 
-template <int D, int DV, int PF = 0>
+template <int D, int DV, int PF>
 KernelInfo simt_info() {
   constexpr int W = (D + DV <= 512) ? 4 : 2;
   constexpr int S = 1;
@@ -154,13 +209,13 @@ KernelInfo simt_info() {
 }
 
 template <int D, int DV>
-KernelInfo simt_select(int pf) {
+KernelInfo simt_select(const KernelChoice& want) {
+  const int pf = want.prefetch;
   if constexpr (kPrefetchBuilt<D, DV>) {
-    if (pf == 128) return simt_info<D, DV, 128>();
+    if (pf == 0) return simt_info<D, DV, 0>();
     if (pf == 256) return simt_info<D, DV, 256>();
-    if (pf == 128 + kCopyPlain) return simt_info<D, DV, 128 + kCopyPlain>();
   }
-  return simt_info<D, DV>();
+  return simt_info<D, DV, kTcPrefetch>();
 }
 
 }  // namespace cuda_decode
