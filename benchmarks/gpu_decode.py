@@ -363,6 +363,7 @@ BENCH_ROWS = [
     ("B1 H32/KV8 Lk32768 D128 fp32", "fp32", 1, 32, 8, 32768, 128),
     ("B1 H32/KV4 Lk8192 D512 fp32", "fp32", 1, 32, 4, 8192, 512),
     ("B64 H32/KV8 Lk2048 D128 fp32", "fp32", 64, 32, 8, 2048, 128),
+    ("B1 H32/KV8 Lk8192 D256", "bf16", 1, 32, 8, 8192, 256),
 ]
 
 
@@ -433,15 +434,11 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # split count; COMBINE picks the split-K merge. {} = the defaults.
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
 SWEEP = [
-    (BENCH_ROWS[0], [{}, {"L2": "0"}]),
     (BENCH_ROWS[2],
-     [{}, {"WIDE": "4,3"}, {"WIDE": "4,4"}, {"WIDE": "8,3"}, {"WIDE": "8,4"},
-      {"WIDE": "4,4", "MIN_SPLIT_KB": "32"}]),
-    (BENCH_ROWS[3],
-     [{}, {"WIDE": "4,4"}, {"WIDE": "8,4"}, {"WIDE": "4,4", "MIN_SPLIT_KB": "32"},
-      {"WIDE": "8,4", "MIN_SPLIT_KB": "32"}]),
-    (BENCH_ROWS[5], [{}, {"L2": "0"}]),
-    (BENCH_ROWS[7], [{}, {"L2": "0"}]),
+     [{}, {"CFG": "4,1"}, {"SPLITS": "16"}, {"SPLITS": "24"}, {"SPLITS": "66"},
+      {"WIDE": "8,3"}]),
+    (BENCH_ROWS[3], [{}, {"WIDE": "4,4"}, {"SPLITS": "8"}, {"SPLITS": "16"}]),
+    (BENCH_ROWS[9], [{}, {"WIDE": "4,3"}, {"WIDE": "4,4"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "MIN_SPLIT_KB")

@@ -154,6 +154,12 @@ KernelInfo tc_select(const KernelChoice& want) {
     }
     w = s = 0;
   }
+  if constexpr (D == 512 && DV == 512 && NT == 1) {
+    // Default at D512: the wide kernel, NW4 S3 (B1 H32/KV4 Lk8192 bf16: 31.7 vs 36.4 us a
+    // call; fp16 Lk1024: 14.5 vs 16.0; results/gpu_decode_sweep_20261130T1359.json).
+    // CFG=4,1 (or an L2 setting) still reaches decode_tc_kernel.
+    if (w == 0 && s == 0 && pf < 0) return wide_info<T, D, DV, 4, 3>();
+  }
   constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
   if constexpr (kPrefetchBuilt<D, DV> && NT == 1) {
     const bool dflt = (w == 0 && s == 0) || (w == W0 && s == S0);

@@ -338,17 +338,27 @@ def supports(name: str, cfg: Config, direction: str, platform: str) -> Verdict:
 
 # ---- the choice ---------------------------------------------------------------
 
+# Where cuDNN can't serve a 16-bit decode call (sinks, ...): ours from this many bytes of
+# K + V on (the measured rows, 134-537 MB, all won; small calls are xla's).
+CUDA_DECODE_MIN_KV_BYTES = 32 << 20
+
+
 def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
-    """Where our decode kernel beat cuDNN (and XLA) on the H200 (docs/cuda_decode.md):
-    with R = Lq * Hq/Hk query rows per kv head, cuDNN re-reads K/V per query head once
-    Lq > 1, so ours wins for 4 < R <= 32 (B8 H32/KV8 Lk4096: 1.9x at R 8, 1.6x at 16,
-    1.15x at 32, 0.87x at 64; plain decode, R = 4: cuDNN 1.0-1.25x faster); where cuDNN
-    can't serve, ours beats XLA once there are enough (batch, kv head, 16-row) blocks to
-    fill the GPU (fp32 B8 / B64: 1.12x; B1: xla 1.08-2.1x)."""
+    """Where our decode kernel beat cuDNN and XLA on the H200 (docs/cuda_decode.md; K =
+    64..1024 dependent calls per timed execution, 2026-11-30). With R = Lq * Hq/Hk query
+    rows per kv head, cuDNN re-reads K/V per query head once Lq > 1, so ours wins for
+    4 < R <= 32 (B8 H32/KV8 Lk4096: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64;
+    plain decode, R = 4: cuDNN 1.1-1.6x faster). Where cuDNN can't serve: XLA beat ours
+    on every fp32 row (1.03-2.2x) and at head dims > 256 (D512 B1: 1.2-1.6x); 16-bit at
+    D <= 256 ours matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x)."""
     rows = cfg.len_q * cfg.group
     if supports_cudnn(cfg, direction, platform)[0]:
         return 4 < rows <= 32
-    return cfg.batch * cfg.heads_kv * -(-rows // 16) >= 64
+    if cfg.dtype == np.dtype(np.float32) or max(cfg.head_dim, cfg.head_dim_v) > 256:
+        return False
+    kv_bytes = (cfg.batch * cfg.heads_kv * cfg.len_kv * (cfg.head_dim + cfg.head_dim_v)
+                * cfg.dtype.itemsize)
+    return kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
 
 
 def _cuda_flash_preferred(cfg: Config) -> bool:

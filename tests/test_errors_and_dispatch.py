@@ -196,18 +196,19 @@ def test_handlers_validate_fp32_precision():
 # ---------------------------------------------------------------------------
 # implementation="cuda": the decode kernel or the flash kernels (fake configs, CPU)
 
-def _cfg_from(q, k, v, **kw):
+def _cfg_from(q, k, v, has_sinks=False, **kw):
     from jax_sdpa.config import Config, StaticParams
     params = StaticParams(scale=0.125, **kw)
-    return Config.from_shapes(q.shape, k.shape, v.shape, q.dtype, None, None, False, False,
+    return Config.from_shapes(q.shape, k.shape, v.shape, q.dtype, None, None, has_sinks, False,
                               False, params)
 
 
-def _cfg(dtype="float32", b=2, hq=8, hk=2, lq=256, lk=256, d=64, dv=None, **kw):
+def _cfg(dtype="float32", b=2, hq=8, hk=2, lq=256, lk=256, d=64, dv=None, has_sinks=False,
+         **kw):
     s = jax.ShapeDtypeStruct
     dt = jnp.dtype(dtype)
     return _cfg_from(s((b, hq, lq, d), dt), s((b, hk, lk, d), dt), s((b, hk, lk, dv or d), dt),
-                     **kw)
+                     has_sinks=has_sinks, **kw)
 
 
 @pytest.fixture
@@ -304,8 +305,9 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(dtype="bfloat16", d=512), "fwd", "xla"),
     (dict(dtype="float16", d=320), "bwd", "xla"),
     # decode shapes: the decode kernel's crossover rule, never the flash kernels
-    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=64), "fwd", "xla"),  # 1 block: xla
-    (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "cuda"),  # 128 blocks: decode
+    (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=64), "fwd", "xla"),  # fp32: xla was faster
+    (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "xla"),
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=512), "fwd", "xla"),  # D > 256
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=40), "fwd", "xla"),
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=40), "fwd", "xla"),  # decode can't: not flash
     (dict(dtype="bfloat16", b=4, hq=32, hk=4, lq=1, lk=4096, d=128), "fwd", "cuda"),  # R=8
@@ -322,6 +324,20 @@ def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
     if got == "cuda":
         kernel = dispatch.cuda_kernel(cfg, direction)[0]
         assert kernel == ("decode" if cfg.is_decode else "flash")
+
+
+def test_decode_where_cudnn_cannot_serve(fake_h200, monkeypatch):
+    """16-bit decode that cuDNN refuses (sinks before cuDNN 9.13): ours from
+    CUDA_DECODE_MIN_KV_BYTES of K + V, xla below."""
+    dispatch = fake_h200
+    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91200, (9, 0)))
+    big = _cfg(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=128, has_sinks=True)
+    small = _cfg(dtype="bfloat16", b=1, hq=8, hk=1, lq=1, lk=4096, d=128, has_sinks=True)
+    assert not dispatch.supports_cudnn(big, "fwd", "cuda")[0]
+    assert dispatch.choose(big, "cuda", "fwd") == "cuda"  # 268 MB of K/V
+    assert dispatch.choose(small, "cuda", "fwd") == "xla"  # 2 MB
+    fp32 = _cfg(b=8, hq=32, hk=8, lq=1, lk=8192, d=128, has_sinks=True)
+    assert dispatch.choose(fp32, "cuda", "fwd") == "xla"
 
 
 def test_cuda_flash_preferred_rule(fake_h200):
