@@ -29,12 +29,12 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 
 # Knob settings per row (JAX_SDPA_CUDA_DECODE_*; {} = the defaults), then the peers.
-VARIANTS = {  # L2: the K/V copies' L2 prefetch size (JAX_SDPA_CUDA_DECODE_L2)
-    0: [{}, {"L2": "0"}, {"CFG": "8,2"}],
-    1: [{}, {"L2": "0"}],
-    2: [{}, {"L2": "0"}],
-    3: [{}, {"L2": "0"}],
-    4: [{}, {"L2": "0"}],
+VARIANTS = {  # knob settings (JAX_SDPA_CUDA_DECODE_*) timed per row besides the default
+    0: [{}],
+    1: [{}],
+    2: [{}, {"CFG": "4,1"}],  # the wide kernel (default) and the per-warp-tile one
+    3: [{}],
+    4: [{}],
 }
 
 
