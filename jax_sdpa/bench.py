@@ -4,7 +4,8 @@
 Per (case, implementation, direction): median time over repeats of a jitted function
 (`block_until_ready`), TFLOP/s (forward `4·B·Hq·Lq·Lk·D`, halved for causal; forward+backward
 3.5x), GB/s for decode (q, k, v, out counted once; K dependent calls inside one jitted
-`fori_loop`, divided by K, to amortize dispatch), and the compiled program's temporary
+`fori_loop`, divided by K, K chosen so a run lasts ~30 ms: the run's fixed cost must not
+land on each call), and the compiled program's temporary
 bytes (`compiled.memory_analysis()`). Results as a table, JSON and a PNG plot.
 """
 
@@ -188,14 +189,18 @@ def attention_fn(impl: str, case: Case) -> Callable:
     return fn
 
 
-def build(impl: str, case: Case, direction: str, decode_calls: int = 16):
-    """(jitted function, args, calls per run)."""
+DECODE_UNROLL = 16  # decode calls unrolled per while-loop trip
+
+
+def build(impl: str, case: Case, direction: str, decode_calls: int = DECODE_UNROLL):
+    """(jitted function, args, calls per run). Decode: `decode_calls` dependent calls in
+    one jit, a while loop with DECODE_UNROLL calls per trip."""
     q, k, v, do = _inputs(case)
     fn = attention_fn(impl, case)
     if direction == "fwd" and case.decode:
         def loop(q, k, v):  # K dependent calls: amortize dispatch
             return jax.lax.fori_loop(0, decode_calls, lambda i, x: fn(x, k, v).astype(x.dtype),
-                                     q)
+                                     q, unroll=max(1, min(DECODE_UNROLL, decode_calls)))
 
         return jax.jit(loop), (q, k, v), decode_calls
     if direction == "fwd":
@@ -242,6 +247,16 @@ def run_one(impl: str, case: Case, direction: str, platform: str, min_time=0.3) 
         return row
     try:
         jitted, args, calls = build(impl, case, direction)
+        if case.decode and direction == "fwd":
+            # A run's fixed cost (dispatch, the wait for the result: ~0.3 ms on a GPU) must
+            # be a small part of each call's share: runs of ~30 ms, up to 1024 calls.
+            jax.block_until_ready(jitted(*args))
+            t0 = time.perf_counter()
+            jax.block_until_ready(jitted(*args))
+            per_call = (time.perf_counter() - t0) / calls
+            want = min(1024, int(0.03 / max(per_call, 1e-7)) // DECODE_UNROLL * DECODE_UNROLL)
+            if want > calls:
+                jitted, args, calls = build(impl, case, direction, decode_calls=want)
         t = time_fn(jitted, args, min_time=min_time) / calls
         row["temp_bytes"] = temp_bytes(jitted, args)  # after the call: a cache hit
     except Exception as e:  # a failing peer or OOM must not stop the run
