@@ -61,8 +61,7 @@ struct Args {
 // ---- small device helpers ----------------------------------------------------
 
 using cuda_common::cp_async16_l2;
-using cuda_common::kCopyPlain;
-constexpr int kNoPad = 2;  // decode-kernel mode bit next to the copy bits (TcConfig)
+using cuda_common::kEvictFirst;
 using cuda_common::cp_async_commit;
 using cuda_common::cp_async_wait;
 using cuda_common::from_float;
@@ -422,17 +421,16 @@ __device__ __forceinline__ void load_tile(T* stage, const T* kbase, const T* vba
 // 16-byte loads: the head dim inside each 32-wide chunk and the dv rows inside
 // each 64-wide chunk are permuted consistently (see the comments below), which
 // needs no ldmatrix and no transpose; S's accumulator layout is P^T's B layout.
-template <typename T, int D, int DV, int NT, int W, int S, int PF = 0>
+template <typename T, int D, int DV, int NT, int W, int S>
 struct TcConfig {
   static constexpr int kThreads = W * 32;
   // Row pads against bank conflicts: the QK reads of a quarter-warp cover 64 B of
   // two adjacent K rows (stride wanted = 64 mod 128 B); the PV reads cover 16 B
-  // of four rows 2 apart (stride wanted = 16 mod 32 B). PF & kNoPad (experiment):
-  // unpadded rows, so that each 128-byte global line lands on an aligned 128-byte
-  // smem line (bank conflicts instead).
-  static constexpr bool kPad = (PF & kNoPad) == 0;
-  static constexpr int DP = kPad ? D + ((64 - (D * 2) % 128) + 128) % 128 / 2 : D;
-  static constexpr int DVP = kPad ? DV + 8 : DV;
+  // of four rows 2 apart (stride wanted = 16 mod 32 B). (Unpadded rows, so that each
+  // 128-byte global line lands on an aligned smem line, were slower and left the L2 hit
+  // rate as it was: docs/cuda_decode.md.)
+  static constexpr int DP = D + ((64 - (D * 2) % 128) + 128) % 128 / 2;
+  static constexpr int DVP = DV + 8;
   static constexpr int kStage = kTileKeys * (DP + DVP);
   static constexpr size_t kQBytes = 16 * DP * sizeof(T);
   static constexpr size_t kRingBytes = static_cast<size_t>(W) * S * kStage * sizeof(T);
@@ -443,7 +441,7 @@ struct TcConfig {
 
 template <typename T, int D, int DV, int NT, int W, int S, int PF>
 __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
-  using Cfg = TcConfig<T, D, DV, NT, W, S, PF>;
+  using Cfg = TcConfig<T, D, DV, NT, W, S>;
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
   constexpr int RB = NT * 8;
   constexpr int NKC = (D + 31) / 32;   // 32-wide head-dim chunks (QK)

@@ -63,7 +63,7 @@ void launch_combine(const Args& a, dim3 grid, cudaStream_t st) {
 
 template <typename T, int D, int DV, int NT, int W, int S, int PF = 0>
 KernelInfo tc_info() {
-  using Cfg = TcConfig<T, D, DV, NT, W, S, PF>;
+  using Cfg = TcConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_tc_kernel: too much shared memory");
   KernelInfo k;
   k.func = reinterpret_cast<const void*>(&decode_tc_kernel<T, D, DV, NT, W, S, PF>);
@@ -86,8 +86,10 @@ KernelInfo tc_info() {
 // 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818; fp32 B8 Lk8192 D128 3448 / 3525 / -
 // and 3490 / 3574 / - (gpu_decode_sweep_20261130T1348, T1352), so the fp32 kernel too.
 // Variants without the hint and with 256 bytes are built for the dims below,
-// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|129|130 (129: 128 with plain copies,
-// cp_async16_l2; 130: 128 with unpadded smem rows, TcConfig) (the W,S default and, at D128, W8 S2; 8 query rows a block).
+// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|132 (132: 128 with the lines marked
+// evict-first, an experiment not yet run) (the W,S default and, at D128, W8 S2; 8 query
+// rows a block). Tried and removed: plain copies instead of the zero-fill form and
+// unpadded smem rows (gpu_decode_sweep_20261130T1348 / T1352, "L2=129" / "L2=130").
 constexpr int kTcPrefetch = 128;
 template <int D, int DV>
 constexpr bool kPrefetchBuilt = (D == 128 && DV == 128) || (D == 512 && DV == 512);
@@ -165,12 +167,8 @@ KernelInfo tc_select(const KernelChoice& want) {
     const bool dflt = (w == 0 && s == 0) || (w == W0 && s == S0);
     if (dflt && pf == 0) return tc_info<T, D, DV, NT, W0, S0, 0>();
     if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
-    if (dflt && pf == 128 + kCopyPlain) return tc_info<T, D, DV, NT, W0, S0, 128 + kCopyPlain>();
-    if (dflt && pf == 128 + kNoPad) return tc_info<T, D, DV, NT, W0, S0, 128 + kNoPad>();
+    if (dflt && pf == 128 + kEvictFirst) return tc_info<T, D, DV, NT, W0, S0, 128 + kEvictFirst>();
     if constexpr (D == 128) {
-      if (w == 8 && s == 2 && pf == 128 + kCopyPlain)
-        return tc_info<T, D, DV, NT, 8, 2, 128 + kCopyPlain>();
-      if (w == 8 && s == 2 && pf == 128 + kNoPad) return tc_info<T, D, DV, NT, 8, 2, 128 + kNoPad>();
       if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
     }

@@ -20,40 +20,32 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
 }
 // The same copy with an L2 prefetch hint: the L2 fetches the whole aligned
 // 128- or 256-byte block around the address from DRAM (streaming reads: fewer,
-// longer DRAM bursts). kMode = prefetch bytes (0, 128, 256) | kCopyPlain: with
-// kCopyPlain an in-range copy is the plain cp.async (no src-size operand) and an
-// out-of-range one a zero store to shared memory, instead of the zero-fill form.
-constexpr int kCopyPlain = 1;
+// longer DRAM bursts). kMode = prefetch bytes (0, 128, 256), plus kEvictFirst: the
+// lines are marked evict-first in the L2 (a read-once stream; experiment).
+constexpr int kEvictFirst = 4;
 template <int kMode>
 __device__ __forceinline__ void cp_async16_l2(void* smem, const void* gmem, bool pred) {
-  constexpr int kPrefetch = kMode & ~3;  // bit 1: the caller's (decode: kNoPad)
+  constexpr int kPrefetch = kMode & ~kEvictFirst;
   static_assert(kPrefetch == 0 || kPrefetch == 128 || kPrefetch == 256, "L2 prefetch size");
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr ((kMode & kCopyPlain) != 0) {
-    if (!pred) {
-      *reinterpret_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
-      return;
-    }
-    if constexpr (kPrefetch == 0)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-    else if constexpr (kPrefetch == 128)
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem)
-                   : "memory");
-    else
-      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem)
-                   : "memory");
+  const int n = pred ? 16 : 0;
+  if constexpr ((kMode & kEvictFirst) != 0) {
+    static_assert(kPrefetch == 128, "evict-first copies are built with the 128-byte prefetch");
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::
+                     "r"(s), "l"(gmem), "r"(n), "l"(policy)
+                 : "memory");
   } else if constexpr (kPrefetch == 0) {
     cp_async16(smem, gmem, pred);
+  } else if constexpr (kPrefetch == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(n)
+                 : "memory");
   } else {
-    const int n = pred ? 16 : 0;
-    if constexpr (kPrefetch == 128)
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s),
-                   "l"(gmem), "r"(n)
-                   : "memory");
-    else
-      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s),
-                   "l"(gmem), "r"(n)
-                   : "memory");
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(n)
+                 : "memory");
   }
 }
 __device__ __forceinline__ void cp_async_commit() {
