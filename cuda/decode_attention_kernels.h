@@ -86,9 +86,10 @@ KernelInfo tc_info() {
 // 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818; fp32 B8 Lk8192 D128 3448 / 3525 / -
 // and 3490 / 3574 / - (gpu_decode_sweep_20261130T1348, T1352), so the fp32 kernel too.
 // Variants without the hint and with 256 bytes are built for the dims below,
-// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|132 (132: 128 with the lines marked
-// evict-first, an experiment not yet run) (the W,S default and, at D128, W8 S2; 8 query
-// rows a block). Tried and removed: plain copies instead of the zero-fill form and
+// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|132|136 (132: 128 with the lines
+// marked evict-first; 136: 128 with the warps in lockstep, decode_tc_kernel; D128 also W4 S3
+// and W8 S2; experiments not yet run) (the W,S default and, at D128, W8 S2; 8 query rows a
+// block). Tried and removed: plain copies instead of the zero-fill form and
 // unpadded smem rows (gpu_decode_sweep_20261130T1348 / T1352, "L2=129" / "L2=130").
 constexpr int kTcPrefetch = 128;
 template <int D, int DV>
@@ -168,6 +169,11 @@ KernelInfo tc_select(const KernelChoice& want) {
     if (dflt && pf == 0) return tc_info<T, D, DV, NT, W0, S0, 0>();
     if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
     if (dflt && pf == 128 + kEvictFirst) return tc_info<T, D, DV, NT, W0, S0, 128 + kEvictFirst>();
+    if constexpr (D == 128) {
+      if (dflt && pf == 128 + kLockstep) return tc_info<T, D, DV, NT, W0, S0, 128 + kLockstep>();
+      if (w == 4 && s == 3 && pf == 128 + kLockstep) return tc_info<T, D, DV, NT, 4, 3, 128 + kLockstep>();
+      if (w == 8 && s == 2 && pf == 128 + kLockstep) return tc_info<T, D, DV, NT, 8, 2, 128 + kLockstep>();
+    }
     if constexpr (D == 128) {
       if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
