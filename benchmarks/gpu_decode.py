@@ -429,24 +429,25 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # D512 only, cuda/decode_attention_kernels.h); L2 = the K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2;
-# 136 = 128 with the warps in lockstep, D128 only, also CFG=4,3 and 8,2; earlier sweeps'
-# 129 / 130 were plain copies / unpadded smem rows, since removed); WIDE = NW,S of the
+# earlier sweeps' 129 / 130 were plain copies / unpadded smem rows, since removed);
+# LOCKSTEP=1: decode_tc_kernel's warps in lockstep (D128: the default, CFG=4,3, 8,2); WIDE = NW,S of the
 # wide-head kernel (D = Dv in {256, 512});
 # MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the
 # split count; COMBINE picks the split-K merge. {} = the defaults.
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
 SWEEP = [
     (BENCH_ROWS[0],
-     [{}, {"L2": "0"}, {"L2": "132"}, {"L2": "136"}, {"CFG": "4,3", "L2": "136"},
-      {"CFG": "8,2", "L2": "136"}, {"CFG": "8,2"}, {"SPLITS": "4"}]),
-    (BENCH_ROWS[1], [{}, {"L2": "132"}, {"L2": "136"}, {"CFG": "8,2", "L2": "136"}]),
+     [{}, {"L2": "0"}, {"L2": "132"}, {"LOCKSTEP": "1"},
+      {"CFG": "4,3", "LOCKSTEP": "1"}, {"CFG": "8,2", "LOCKSTEP": "1"}, {"CFG": "8,2"}, {"SPLITS": "4"}]),
+    (BENCH_ROWS[1], [{}, {"L2": "132"}, {"LOCKSTEP": "1"},
+                     {"CFG": "8,2", "LOCKSTEP": "1"}]),
     (BENCH_ROWS[2], [{}, {"CFG": "4,1"}, {"WIDE": "4,4"}, {"WIDE": "8,3"}]),
     (BENCH_ROWS[3], [{}, {"WIDE": "4,4"}, {"SPLITS": "16"}]),
-    (BENCH_ROWS[4], [{}, {"L2": "132"}, {"L2": "136"}]),
+    (BENCH_ROWS[4], [{}, {"L2": "132"}, {"LOCKSTEP": "1"}]),
     (BENCH_ROWS[9], [{}, {"WIDE": "4,3"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "MIN_SPLIT_KB")
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "LOCKSTEP", "WIDE", "MIN_SPLIT_KB")
 
 
 def run_sweep(copy_bw, budget_s=150.0):

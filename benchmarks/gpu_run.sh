@@ -19,7 +19,9 @@ OUT=${OUT:-/tmp/jax_sdpa_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=${*:-build tests probe bench}
+[[ " $steps " == *" decode "* ]] && steps="$steps decode_check decode_bench"
 has() { [[ " $steps " == *" $1 "* ]]; }
+repo=$(pwd)
 say() { echo "== $(date -u +%T) $*"; }
 rc=0
 
@@ -62,7 +64,6 @@ if has tests; then
   # because cuDNN compiles each new attention kernel at run time, on the CPU.
   # Run from /tmp: a worker started in the repo root would import the source tree's
   # jax_sdpa (no compiled modules) instead of the installed one.
-  repo=$(pwd)
   paths=""; for t in ${TEST_PATHS:-tests}; do paths="$paths $repo/$t"; done
   (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false \
     timeout -s INT "${TEST_TIMEOUT:-300}" python3 -P -m pytest $paths -c "$repo/pyproject.toml" \
@@ -72,7 +73,6 @@ fi
 
 if has shared; then
   say "shared test suite with the GPU implementations (cudnn, cuda)"
-  repo=$(pwd)
   (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest \
     timeout -s INT "${SHARED_TIMEOUT:-240}" python3 -P -m pytest \
       $repo/tests/test_contract.py $repo/tests/test_jax_nn_contract.py $repo/tests/test_transforms.py \
@@ -81,60 +81,42 @@ if has shared; then
       2>&1 | tail -120) || rc=1
 fi
 
-if has decode; then
-  say "our CUDA decode kernels through the installed module: correctness, then timing"
-  repo=$(pwd)
-  (cd /tmp && timeout "${DECODE_CHECK_TIMEOUT:-120}" python3 -P $repo/benchmarks/gpu_decode.py \
-     --module --only check --out "$OUT" 2>&1 | tail -25) || rc=1
-  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-150}" python3 -P \
-     $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
-fi
-
-# The decode pieces one by one (decode = check + bench). decode_check runs the check
-# again under each setting in DECODE_CHECK_L2 (L2 prefetch variants, e.g. "256").
+# The decode pieces (decode = decode_check + decode_bench). decode_check runs the check
+# again under each knob setting in DECODE_CHECK_KNOBS, e.g. "L2=132 WIDE=4,4 LOCKSTEP=1"
+# (JAX_SDPA_CUDA_DECODE_<setting>: the kernel variants of docs/cuda_decode.md).
 if has api; then
   say "public API smoke: one call + grad per GPU implementation"
-  repo=$(pwd)
   (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_api_smoke.py 2>&1 | tail -8) || rc=1
 fi
 if has decode_check; then
-  say "decode check (default kernels, then L2 prefetch variants: ${DECODE_CHECK_L2:-none})"
-  repo=$(pwd)
+  say "decode check (default kernels, then: ${DECODE_CHECK_KNOBS:-no variants})"
   (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_decode.py --module --only check \
      --out "$OUT" 2>&1 | tail -6) || rc=1
-  for l2 in ${DECODE_CHECK_L2:-}; do
-    (cd /tmp && JAX_SDPA_CUDA_DECODE_L2=$l2 timeout 150 python3 -P $repo/benchmarks/gpu_decode.py \
-       --module --only check --out /tmp 2>&1 | tail -3) || rc=1
-  done
-  for wide in ${DECODE_CHECK_WIDE:-}; do  # wide-head kernel variants (NW,S)
-    say "decode check, JAX_SDPA_CUDA_DECODE_WIDE=$wide"
-    (cd /tmp && JAX_SDPA_CUDA_DECODE_WIDE=$wide timeout 150 python3 -P \
+  for knob in ${DECODE_CHECK_KNOBS:-}; do
+    say "decode check, JAX_SDPA_CUDA_DECODE_$knob"
+    (cd /tmp && env "JAX_SDPA_CUDA_DECODE_$knob" timeout 150 python3 -P \
        $repo/benchmarks/gpu_decode.py --module --only check --out /tmp 2>&1 \
        | grep -E "^FAIL|^ERR|check:" | tail -12) || rc=1
   done
 fi
 if has decode_bench; then
   say "decode bench (rows beside jax.nn xla / cudnn)"
-  repo=$(pwd)
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-240}" python3 -P \
      $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
 fi
 if has decode_crossover; then
   say "decode crossover vs cuDNN (B, Lk, query rows per kv head)"
-  repo=$(pwd)
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P $repo/benchmarks/gpu_decode.py \
      --module --only crossover --out "$OUT" 2>&1 | grep -E "^crossover" | tail -20) || rc=1
 fi
 if has decode_sweep; then
   say "decode sweep (knob settings per row)"
-  repo=$(pwd)
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_SWEEP_TIMEOUT:-200}" python3 -P \
      $repo/benchmarks/gpu_decode.py --module --only sweep --out "$OUT" 2>&1 \
      | grep -E "^sweep" | tail -60) || rc=1
 fi
 if has decode_profile; then
   say "decode profile (device busy / span per call)"
-  repo=$(pwd)
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_PROFILE_TIMEOUT:-200}" python3 -P \
      $repo/benchmarks/decode_profile.py --out "$OUT" ${DECODE_PROFILE_ARGS:-} 2>&1 \
      | grep -v "^      " | tail -40) || rc=1
@@ -143,7 +125,6 @@ if has decode_ncu; then
   # NCU_L2: our kernels under each JAX_SDPA_CUDA_DECODE_L2 setting ("-" = default);
   # NCU_PEERS: jax.nn implementations profiled beside them (first setting only).
   say "Nsight Compute: our decode kernel (L2 settings: ${NCU_L2:--}) beside ${NCU_PEERS-cudnn} on rows ${NCU_ROWS:-0} (real clocks)"
-  repo=$(pwd)
   peers=${NCU_PEERS-cudnn}
   for l2 in ${NCU_L2:--}; do
     (cd /tmp && { [ "$l2" = "-" ] || export JAX_SDPA_CUDA_DECODE_L2=$l2; } && \
@@ -159,14 +140,12 @@ if has decode_ncu; then
 fi
 if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"
-  repo=$(pwd)
   (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
      --only check --out "$OUT" 2>&1 | grep -E "FAIL|check:|Error|error" | tail -20) || rc=1
 fi
 
 if has flash; then
   say "our CUDA flash kernels: correctness (TF32, then 3xTF32), then timing"
-  repo=$(pwd)
   (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
      --only check --out "$OUT" 2>&1 | tail -${FLASH_TAIL:-70}) || rc=1
   (cd /tmp && JAX_SDPA_CUDA_FP32=highest timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \

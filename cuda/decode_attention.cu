@@ -27,7 +27,7 @@ bool dims_built(int64_t d, int64_t dv) {
 }
 
 KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block,
-                         const KernelChoice& want) {
+                         const KernelVariant& want) {
   switch (dtype) {
     case DType::kF32: return select_f32(d, dv, want);
     case DType::kF16: return select_f16(d, dv, rows_per_block == 16, want);
@@ -157,7 +157,7 @@ WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t un
   return w;
 }
 
-KernelInfo select_f32(int64_t d, int64_t dv, const KernelChoice& want) {
+KernelInfo select_f32(int64_t d, int64_t dv, const KernelVariant& want) {
 #define JAX_SDPA_X(D_, DV_) \
   if (d == D_ && dv == DV_) return simt_select<D_, DV_>(want);
   JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
@@ -189,8 +189,9 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
   }
-  KernelChoice want;
+  KernelVariant want;
   want.prefetch = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
+  want.lockstep = env_int("JAX_SDPA_CUDA_DECODE_LOCKSTEP", 0) != 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
     if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
   }
@@ -215,7 +216,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // the 150 KB D512 variants.
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
     if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
-    KernelChoice smaller;
+    KernelVariant smaller;
     smaller.warps = ws.first;
     smaller.stages = ws.second;
     KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, smaller);
@@ -230,19 +231,16 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   plan->blocks_per_sm = occ;
   plan->num_sms = f.sms;
   plan->tensor_cores = k.tensor_cores;
-  plan->warps = k.warps;
-  plan->stages = k.stages;
-  plan->prefetch = k.prefetch;
-  plan->wide = k.wide;
+  plan->kernel = k.variant;
   const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
   const int esz = p.dtype == DType::kF32 ? 4 : 2;
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
   // At least one tile per warp (the wide kernel's warps share each tile: two tiles).
-  const int64_t step_keys = k.wide ? 2 * kTileKeys : kTileKeys * k.warps;
+  const int64_t step_keys = k.variant.wide ? 2 * kTileKeys : kTileKeys * k.variant.warps;
   int64_t min_keys = std::max<int64_t>(step_keys, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0 ? force_splits
-                           : snap_splits(choose_splits(units, p.len_kv, f.sms, occ, k.stages, min_keys),
+                           : snap_splits(choose_splits(units, p.len_kv, f.sms, occ, k.variant.stages, min_keys),
                                          p.len_kv);
   // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
   const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);
@@ -261,11 +259,12 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   const int64_t valid_rows = std::min<int64_t>(R, rb);
   const int64_t per_thread = (valid_rows * (p.head_dim_v / 4) + k.threads - 1) / k.threads;
   // The fused combine's counters follow the partials in the workspace; when they
-  // do not fit, the separate combine kernel (no counters) merges instead.
-  const bool fused_ok = n > 1 && workspace_layout(p, n, units, true).bytes <= workspace_bytes;
+  // do not fit, the separate combine kernel (no counters) merges instead. The wide
+  // kernel has no fused merge.
+  const bool fused_ok = !k.variant.wide && n > 1 &&
+                        workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
-  if (k.wide) fused = false;  // decode_wide_kernel has no fused merge: combine_kernel
-  else if (combine == Combine::kFused) fused = fused_ok;
+  if (combine == Combine::kFused) fused = fused_ok;
   else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48;
   plan->fused_combine = fused;
   plan->workspace = workspace_layout(p, n, units, fused);
@@ -273,13 +272,15 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "dtype%d -> %sW%d S%d L2 %d%s rows/block %d chunks %d splits %d occ %d/SM smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
-                  k.wide ? "wide " : "", k.warps, k.stages, k.prefetch, rb, plan->row_chunks, n, occ, k.smem,
+                  k.variant.wide ? "wide " : "", k.variant.warps, k.variant.stages,
+                  k.variant.prefetch, k.variant.lockstep ? " lockstep" : "", rb, plan->row_chunks,
+                  n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
                   workspace_bytes);
     static std::mutex mu;
@@ -297,15 +298,9 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (rows == 0) return cudaSuccess;
-  KernelChoice chosen;
-  chosen.warps = plan.warps;
-  chosen.stages = plan.stages;
-  chosen.prefetch = plan.prefetch;
-  chosen.wide = plan.wide;
-  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block, chosen);
-  if (k.func == nullptr || k.prefetch != plan.prefetch || k.wide != plan.wide ||
-      (k.tensor_cores && (k.warps != plan.warps || k.stages != plan.stages)))
-    return cudaErrorInvalidValue;
+  KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
+                               plan.kernel);
+  if (k.func == nullptr || !(k.variant == plan.kernel)) return cudaErrorInvalidValue;
 
   Args a{};
   a.q = buf.q;

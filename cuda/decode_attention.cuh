@@ -62,7 +62,6 @@ struct Args {
 
 using cuda_common::cp_async16_l2;
 using cuda_common::kEvictFirst;
-constexpr int kLockstep = 8;  // decode_tc_kernel mode bit beside the copy bits (PF)
 using cuda_common::cp_async_commit;
 using cuda_common::cp_async_wait;
 using cuda_common::from_float;
@@ -440,7 +439,10 @@ struct TcConfig {
       (kQBytes + kRingBytes) > kRedBytes ? (kQBytes + kRingBytes) : kRedBytes;
 };
 
-template <typename T, int D, int DV, int NT, int W, int S, int PF>
+// PF: the copies' L2 mode (cp_async16_l2). LOCK (experiment): the warps step through
+// their tiles in lockstep (a block barrier a step), so that the block's copies in flight
+// cover one contiguous stretch of K and V (DRAM locality).
+template <typename T, int D, int DV, int NT, int W, int S, int PF, bool LOCK>
 __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
@@ -448,11 +450,6 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   constexpr int NKC = (D + 31) / 32;   // 32-wide head-dim chunks (QK)
   constexpr int NVC = (DV + 63) / 64;  // 64-wide dv chunks (PV)
   constexpr int EPV = 16 / sizeof(T);
-  // PF: the copies' L2 mode (cp_async16_l2), plus kLockstep: the warps step through
-  // their tiles in lockstep (a block barrier per step), so that the block's copies in
-  // flight cover one contiguous stretch of K and V (experiment: DRAM locality).
-  constexpr bool kLock = (PF & kLockstep) != 0;
-  constexpr int kCopy = PF & ~kLockstep;
   extern __shared__ __align__(16) unsigned char smem[];
   T* Qs = reinterpret_cast<T*>(smem);  // [16][DP]
   T* ring = reinterpret_cast<T*>(smem + Cfg::kQBytes);
@@ -480,7 +477,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
     if (st < my_tiles)
-      load_tile<T, D, DV, DP, DVP, kCopy>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
+      load_tile<T, D, DV, DP, DVP, PF>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
                                    ks0 + (w + st * W) * kTileKeys, ks1, lane);
     cp_async_commit();
   }
@@ -518,16 +515,16 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[c][j][n][e] = 0.f;
 
-  const int steps = kLock ? (ntiles + W - 1) / W : my_tiles;  // block-uniform when kLock
+  const int steps = LOCK ? (ntiles + W - 1) / W : my_tiles;
   for (int it = 0; it < steps; ++it) {
-    if constexpr (kLock) {
+    if constexpr (LOCK) {
       __syncthreads();
       if (it >= my_tiles) continue;  // this warp's tiles are done; it keeps the barriers
     }
     {
       const int nx = it + S - 1;
       if (nx < my_tiles)
-        load_tile<T, D, DV, DP, DVP, kCopy>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2], a.vs[2],
+        load_tile<T, D, DV, DP, DVP, PF>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2], a.vs[2],
                                      ks0 + (w + nx * W) * kTileKeys, ks1, lane);
       cp_async_commit();
     }

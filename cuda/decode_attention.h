@@ -45,6 +45,20 @@ struct WorkspaceLayout {
 // The layout for `num_splits` splits over `units` block units; `fused`: counters too.
 WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t units, bool fused);
 
+// A kernel variant: what a call asks for (per-call knobs below; zeros / -1 / false:
+// the default for the dims) and, in a plan, what it runs.
+struct KernelVariant {
+  int warps = 0, stages = 0;  // W x S (decode_tc_kernel) or NW x S (decode_wide_kernel)
+  int prefetch = -1;          // L2 mode of the K/V copies: 0, 128, 256 bytes of prefetch,
+                              // or 128 + kEvictFirst (132)
+  bool wide = false;          // decode_wide_kernel: the warps split the head dims
+  bool lockstep = false;      // decode_tc_kernel with its warps in lockstep (experiment)
+  bool operator==(const KernelVariant& o) const {
+    return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
+           lockstep == o.lockstep;
+  }
+};
+
 // How one call will run: decided on the host from shapes, the device and the workspace.
 struct DecodePlan {
   int num_splits = 1;       // key splits per (b, kv head, row chunk)
@@ -53,9 +67,7 @@ struct DecodePlan {
   int blocks_per_sm = 1;    // occupancy of the main kernel
   int num_sms = 1;
   bool tensor_cores = false;
-  int warps = 0, stages = 0;   // the main kernel's W x S (tensor cores: variant chosen)
-  int prefetch = 0;            // L2 prefetch bytes of the K/V copies (0, 128, 256)
-  bool wide = false;           // decode_wide_kernel (warps split the head dims)
+  KernelVariant kernel;        // the main kernel
   bool fused_combine = false;  // last split block merges (no combine launch)
   WorkspaceLayout workspace;   // where the partials / counters go (bytes <= workspace given)
 };
@@ -73,10 +85,11 @@ std::string unsupported_reason(const SdpaParams& p);
 //   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel   how split partials merge (auto: fused
 //                                     when the last block's merge is short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
-//   JAX_SDPA_CUDA_DECODE_L2=0|128|256 L2 prefetch size of the K/V copies, where built
-//                                     (unset: 128 on tensor cores, 0 for fp32)
+//   JAX_SDPA_CUDA_DECODE_L2=0|128|256|132  L2 mode of the K/V copies, where built (unset:
+//                                     128; 132: 128 with the lines marked evict-first)
 //   JAX_SDPA_CUDA_DECODE_WIDE=NW,S    the wide-head kernel (D = Dv in {256, 512}, <= 8 rows
 //                                     a block): NW warps splitting the head dims, S stages
+//   JAX_SDPA_CUDA_DECODE_LOCKSTEP=1   decode_tc_kernel's warps in lockstep, where built
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

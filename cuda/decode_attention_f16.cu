@@ -4,17 +4,8 @@
 namespace jax_sdpa {
 namespace cuda_decode {
 
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelChoice& want) {
-#define JAX_SDPA_X(D_, DV_)                                                   \
-  if (d == D_ && dv == DV_) {                                                 \
-    if constexpr (DV_ <= 256) {                                               \
-      if (rows16) return tc_select<__half, D_, DV_, 2>(want); \
-    }                                                                         \
-    return tc_select<__half, D_, DV_, 1>(want);               \
-  }
-  JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
-#undef JAX_SDPA_X
-  return KernelInfo{};
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelVariant& want) {
+  return select_tc<__half>(d, dv, rows16, want);
 }
 
 }  // namespace cuda_decode

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "decode_attention.cuh"
+#include "decode_attention.h"
 #include "decode_wide.cuh"
 
 namespace jax_sdpa {
@@ -33,27 +34,14 @@ struct KernelInfo {
   int threads = 0;
   size_t smem = 0;
   bool tensor_cores = false;
-  int warps = 0, stages = 0;  // W, S of the kernel (for the split heuristic and reports)
-  int prefetch = 0;           // L2 prefetch bytes of its K/V copies (0, 128, 256)
-  bool wide = false;          // decode_wide_kernel: warps split the head dims, not the keys
+  KernelVariant variant;  // what it is (W, S for the split heuristic and reports)
 };
 
-// Which variant a call asks for (per-call knobs; zeros / -1: the default for the dims).
-// warps / stages: a tensor-core variant (W, S) where built for these head dims
-// (tc_select below); prefetch: the L2 prefetch size of the K/V copies (0, 128, 256)
-// where a variant with it is built (kPrefetchBuilt); wide: decode_wide_kernel with
-// NW = warps, S = stages where built (D = Dv in {256, 512}, 8 rows a block).
-struct KernelChoice {
-  int warps = 0, stages = 0;
-  int prefetch = -1;
-  bool wide = false;
-};
-
-// Null func when (d, dv) is not built. rows16: 16 query rows per block. A choice that
+// Null func when (d, dv) is not built. rows16: 16 query rows per block. A variant that
 // is not built for the dims gives the default.
-KernelInfo select_f32(int64_t d, int64_t dv, const KernelChoice& want);
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelChoice& want);
-KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, const KernelChoice& want);
+KernelInfo select_f32(int64_t d, int64_t dv, const KernelVariant& want);
+KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelVariant& want);
+KernelInfo select_bf16(int64_t d, int64_t dv, bool rows16, const KernelVariant& want);
 
 // Separate split-K combine: one thread per (output row, 4 dv); 128 threads a block.
 template <typename T, int DV>
@@ -61,23 +49,28 @@ void launch_combine(const Args& a, dim3 grid, cudaStream_t st) {
   combine_kernel<T, DV><<<grid, 128, 0, st>>>(a);
 }
 
-template <typename T, int D, int DV, int NT, int W, int S, int PF = 0>
+// The descriptor of one instantiated main kernel (storage type T, Dv for its combine).
+template <auto Kernel, typename T, int DV>
+KernelInfo kernel_info(int threads, size_t smem, bool tensor_cores, KernelVariant variant) {
+  KernelInfo k;
+  k.func = reinterpret_cast<const void*>(Kernel);
+  k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
+    Kernel<<<grid, threads, smem, st>>>(a);
+  };
+  k.combine = &launch_combine<T, DV>;
+  k.threads = threads;
+  k.smem = smem;
+  k.tensor_cores = tensor_cores;
+  k.variant = variant;
+  return k;
+}
+
+template <typename T, int D, int DV, int NT, int W, int S, int PF, bool LOCK = false>
 KernelInfo tc_info() {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_tc_kernel: too much shared memory");
-  KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_tc_kernel<T, D, DV, NT, W, S, PF>);
-  k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    decode_tc_kernel<T, D, DV, NT, W, S, PF><<<grid, threads, smem, st>>>(a);
-  };
-  k.combine = &launch_combine<T, DV>;
-  k.threads = Cfg::kThreads;
-  k.smem = Cfg::kSmem;
-  k.tensor_cores = true;
-  k.warps = W;
-  k.stages = S;
-  k.prefetch = PF;
-  return k;
+  return kernel_info<&decode_tc_kernel<T, D, DV, NT, W, S, PF, LOCK>, T, DV>(
+      Cfg::kThreads, Cfg::kSmem, true, KernelVariant{W, S, PF, false, LOCK});
 }
 
 // The tensor-core kernels' K/V copies ask the L2 for whole 128-byte lines: on the H200
@@ -86,10 +79,9 @@ KernelInfo tc_info() {
 // 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818; fp32 B8 Lk8192 D128 3448 / 3525 / -
 // and 3490 / 3574 / - (gpu_decode_sweep_20261130T1348, T1352), so the fp32 kernel too.
 // Variants without the hint and with 256 bytes are built for the dims below,
-// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|132|136 (132: 128 with the lines
-// marked evict-first; 136: 128 with the warps in lockstep, decode_tc_kernel; D128 also W4 S3
-// and W8 S2; experiments not yet run) (the W,S default and, at D128, W8 S2; 8 query rows a
-// block). Tried and removed: plain copies instead of the zero-fill form and
+// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|132 (132: 128 with the lines marked
+// evict-first, an experiment not yet run) (the W,S default and, at D128, W8 S2; 8 query
+// rows a block). Tried and removed: plain copies instead of the zero-fill form and
 // unpadded smem rows (gpu_decode_sweep_20261130T1348 / T1352, "L2=129" / "L2=130").
 constexpr int kTcPrefetch = 128;
 template <int D, int DV>
@@ -115,20 +107,8 @@ template <typename T, int D, int DV, int NW, int S, int PF = kTcPrefetch>
 KernelInfo wide_info() {
   using Cfg = WideConfig<T, D, DV, NW, S>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_wide_kernel: too much shared memory");
-  KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_wide_kernel<T, D, DV, NW, S, PF>);
-  k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    decode_wide_kernel<T, D, DV, NW, S, PF><<<grid, threads, smem, st>>>(a);
-  };
-  k.combine = &launch_combine<T, DV>;
-  k.threads = Cfg::kThreads;
-  k.smem = Cfg::kSmem;
-  k.tensor_cores = true;
-  k.warps = NW;
-  k.stages = S;
-  k.prefetch = PF;
-  k.wide = true;
-  return k;
+  return kernel_info<&decode_wide_kernel<T, D, DV, NW, S, PF>, T, DV>(
+      Cfg::kThreads, Cfg::kSmem, true, KernelVariant{NW, S, PF, true, false});
 }
 
 // decode_wide_kernel variants: D = Dv in {256, 512}; NW 4 (D512 also 8); S 3 or 4
@@ -147,7 +127,7 @@ KernelInfo wide_select(int nw, int s) {
 }
 
 template <typename T, int D, int DV, int NT>
-KernelInfo tc_select(const KernelChoice& want) {
+KernelInfo tc_select(const KernelVariant& want) {
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
   if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default
@@ -170,11 +150,11 @@ KernelInfo tc_select(const KernelChoice& want) {
     if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
     if (dflt && pf == 128 + kEvictFirst) return tc_info<T, D, DV, NT, W0, S0, 128 + kEvictFirst>();
     if constexpr (D == 128) {
-      if (dflt && pf == 128 + kLockstep) return tc_info<T, D, DV, NT, W0, S0, 128 + kLockstep>();
-      if (w == 4 && s == 3 && pf == 128 + kLockstep) return tc_info<T, D, DV, NT, 4, 3, 128 + kLockstep>();
-      if (w == 8 && s == 2 && pf == 128 + kLockstep) return tc_info<T, D, DV, NT, 8, 2, 128 + kLockstep>();
-    }
-    if constexpr (D == 128) {
+      if (want.lockstep) {  // experiment, not yet run: W4 S2 (default), W4 S3, W8 S2
+        if (dflt) return tc_info<T, D, DV, NT, W0, S0, kTcPrefetch, true>();
+        if (w == 4 && s == 3) return tc_info<T, D, DV, NT, 4, 3, kTcPrefetch, true>();
+        if (w == 8 && s == 2) return tc_info<T, D, DV, NT, 8, 2, kTcPrefetch, true>();
+      }
       if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
     }
@@ -203,29 +183,33 @@ KernelInfo simt_info() {
   constexpr int W = (D + DV <= 512) ? 4 : 2;
   constexpr int S = 1;
   using Cfg = SimtConfig<D, DV, W, S>;
-  KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_simt_kernel<D, DV, W, S, PF>);
-  k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    decode_simt_kernel<D, DV, W, S, PF><<<grid, threads, smem, st>>>(a);
-  };
-  k.combine = &launch_combine<float, DV>;
-  k.threads = Cfg::kThreads;
-  k.smem = Cfg::kSmem;
-  k.tensor_cores = false;
-  k.warps = W;
-  k.stages = S;
-  k.prefetch = PF;
-  return k;
+  return kernel_info<&decode_simt_kernel<D, DV, W, S, PF>, float, DV>(
+      Cfg::kThreads, Cfg::kSmem, false, KernelVariant{W, S, PF, false, false});
 }
 
 template <int D, int DV>
-KernelInfo simt_select(const KernelChoice& want) {
+KernelInfo simt_select(const KernelVariant& want) {
   const int pf = want.prefetch;
   if constexpr (kPrefetchBuilt<D, DV>) {
     if (pf == 0) return simt_info<D, DV, 0>();
     if (pf == 256) return simt_info<D, DV, 256>();
   }
   return simt_info<D, DV, kTcPrefetch>();
+}
+
+// The 16-bit selector behind select_f16 / select_bf16 (each dtype's file instantiates it).
+template <typename T>
+KernelInfo select_tc(int64_t d, int64_t dv, bool rows16, const KernelVariant& want) {
+#define JAX_SDPA_X(D_, DV_)                                      \
+  if (d == D_ && dv == DV_) {                                    \
+    if constexpr (DV_ <= 256) {                                  \
+      if (rows16) return tc_select<T, D_, DV_, 2>(want);         \
+    }                                                            \
+    return tc_select<T, D_, DV_, 1>(want);                       \
+  }
+  JAX_SDPA_DECODE_DIMS(JAX_SDPA_X)
+#undef JAX_SDPA_X
+  return KernelInfo{};
 }
 
 }  // namespace cuda_decode

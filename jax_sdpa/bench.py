@@ -250,10 +250,7 @@ def run_one(impl: str, case: Case, direction: str, platform: str, min_time=0.3) 
         if case.decode and direction == "fwd":
             # A run's fixed cost (dispatch, the wait for the result: ~0.3 ms on a GPU) must
             # be a small part of each call's share: runs of ~30 ms, up to 1024 calls.
-            jax.block_until_ready(jitted(*args))
-            t0 = time.perf_counter()
-            jax.block_until_ready(jitted(*args))
-            per_call = (time.perf_counter() - t0) / calls
+            per_call = time_fn(jitted, args, min_time=0, max_reps=1, min_reps=1) / calls
             want = min(1024, int(0.03 / max(per_call, 1e-7)) // DECODE_UNROLL * DECODE_UNROLL)
             if want > calls:
                 jitted, args, calls = build(impl, case, direction, decode_calls=want)
