@@ -11,6 +11,8 @@
 #include <string>
 #include <utility>
 
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
 #include "decode_attention.h"
 #include "decode_attention_kernels.h"
 
@@ -48,6 +50,7 @@ constexpr int kMaxSplits = 256;  // fused combine: per-split weights live in sme
 
 struct DeviceFacts {
   int sms = 0;
+  int cc_major = 0;
   size_t max_smem_optin = 0;
 };
 std::mutex g_mu;
@@ -66,6 +69,9 @@ cudaError_t device_facts(int device, DeviceFacts* out) {
   cudaError_t e = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) return e;
   f.sms = v;
+  e = cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device);
+  if (e != cudaSuccess) return e;
+  f.cc_major = v;
   e = cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
   f.max_smem_optin = static_cast<size_t>(v);
@@ -105,10 +111,14 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
 //   several resident blocks: fill one wave of SMs x resident blocks, taking more
 //   splits only for a clear gain in the useful fraction of the slots (each split adds
 //   partial traffic and combine work).
+// - decode_tma_kernel (tma): one wave of SMs x resident blocks.
 int choose_splits(int64_t units, int64_t len_kv, int sms, int blocks_per_sm, int stages,
-                  int64_t min_keys) {
+                  int64_t min_keys, bool tma) {
   const int64_t max_split =
       std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, len_kv / std::max<int64_t>(1, min_keys)));
+  if (tma)
+    return static_cast<int>(std::min<int64_t>(
+        max_split, std::max<int64_t>(1, static_cast<int64_t>(sms) * blocks_per_sm / units)));
   if (stages >= 2)
     return static_cast<int>(std::min<int64_t>(max_split, std::max<int64_t>(1, sms / units)));
   const int64_t slots = static_cast<int64_t>(sms) * blocks_per_sm;
@@ -130,13 +140,42 @@ int choose_splits(int64_t units, int64_t len_kv, int sms, int blocks_per_sm, int
 }
 
 // The device cuts a unit's key range into chunks of ceil(len / n) rounded up to
-// 16 keys, so n splits may leave the last ones empty (33 splits of 8192 keys:
-// 32 chunks of 256): drop those (the blocks would only write empty partials).
-int snap_splits(int n, int64_t len_kv) {
+// `gran` keys (the kernel's key step), so n splits may leave the last ones empty (33
+// splits of 8192 keys: 32 chunks of 256): drop those (the blocks would only write
+// empty partials).
+int snap_splits(int n, int64_t len_kv, int64_t gran) {
   if (n <= 1 || len_kv <= 0) return std::max(1, n);
   int64_t chunk = (len_kv + n - 1) / n;
-  chunk = (chunk + 15) / 16 * 16;
+  chunk = (chunk + gran - 1) / gran * gran;
   return static_cast<int>(std::max<int64_t>(1, (len_kv + chunk - 1) / chunk));
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// Can decode_tma_kernel map this call's K and V (strides, sizes)? A trial encode.
+bool tma_mappable(const SdpaParams& p, int box_keys) {
+  TmaMaps maps;
+  int64_t ks[3], vs[3];
+  for (int i = 0; i < 3; ++i) {
+    ks[i] = p.k_stride[i];
+    vs[i] = p.v_stride[i];
+  }
+  void* any = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  return encode_kv_maps(any, any, ks, vs, static_cast<int>(p.batch), static_cast<int>(p.heads_kv),
+                        static_cast<int>(p.len_kv), p.dtype == DType::kBF16,
+                        static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v), box_keys,
+                        &maps) == cudaSuccess;
 }
 
 size_t pad_ws(size_t bytes) {
@@ -155,6 +194,44 @@ WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t un
   w.counters = w.part_lse + pad_ws(n * rows * sizeof(float));
   w.bytes = w.counters + (fused ? pad_ws(static_cast<size_t>(units) * sizeof(int)) : 0);
   return w;
+}
+
+cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
+                           const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
+                           int box_keys, TmaMaps* maps) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || d % 64 != 0 || dv % 64 != 0 || box_keys > 256)
+    return cudaErrorNotSupported;
+  // Tensor dims 2..4 = (kv head, key, batch) sorted by stride (the encoder wants them
+  // ordered). The kernel reads the order back from the maps.
+  const int64_t size[3] = {Hk, Lk, B};
+  int order[3] = {0, 1, 2};
+  std::sort(order, order + 3, [&](int x, int y) { return ks[x] < ks[y]; });
+  auto one = [&](const void* base, const int64_t (&st)[3], int width, CUtensorMap* map) {
+    const int esz = 2;
+    cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(width / 64), 0, 0, 0};
+    cuuint64_t strides[4] = {128, 0, 0, 0};  // bytes, dims 1..4
+    cuuint32_t box[5] = {64, static_cast<cuuint32_t>(width / 64), 1, 1, 1};
+    const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
+    for (int i = 0; i < 3; ++i) {
+      const int dim = order[i];
+      dims[2 + i] = static_cast<cuuint64_t>(size[dim]);
+      strides[1 + i] = static_cast<cuuint64_t>(st[dim] * esz);
+      if (dim == 1) box[2 + i] = static_cast<cuuint32_t>(box_keys);
+    }
+    const CUresult r = encode(
+        map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+        const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS;
+  };
+  // Both maps use K's dim order: V must be ordered the same way.
+  for (int i = 0; i + 1 < 3; ++i)
+    if (vs[order[i]] > vs[order[i + 1]]) return cudaErrorNotSupported;
+  if (!one(k, ks, d, &maps->k) || !one(v, vs, dv, &maps->v)) return cudaErrorNotSupported;
+  for (int i = 0; i < 3; ++i) maps->order[i] = order[i];
+  return cudaSuccess;
 }
 
 KernelInfo select_f32(int64_t d, int64_t dv, const KernelVariant& want) {
@@ -195,6 +272,14 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
     if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
   }
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_TMA")) {
+    int nw = 0, st = 0;
+    if (std::sscanf(v, "%d,%d", &nw, &st) == 2 && nw > 0 && st > 0) {
+      want.tma = true;
+      want.warps = nw;
+      want.stages = st;
+    }
+  }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
     int nw = 0, st = 0;
     if (std::sscanf(v, "%d,%d", &nw, &st) == 2) {
@@ -212,6 +297,13 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
+  // decode_tma_kernel needs sm_90+ and K / V strides a tensor map can describe.
+  if (k.variant.tma && (f.cc_major < 9 || !tma_mappable(p, kTileKeys * k.variant.warps))) {
+    want = KernelVariant{};
+    want.prefetch = -1;
+    k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
+    if (k.func == nullptr) return cudaErrorInvalidValue;
+  }
   // A kernel past the device's smem limit (an A100 has 163 KB a block) falls back to
   // the 150 KB D512 variants.
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
@@ -237,11 +329,15 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
   // At least one tile per warp (the wide kernel's warps share each tile: two tiles).
   const int64_t step_keys = k.variant.wide ? 2 * kTileKeys : kTileKeys * k.variant.warps;
+  // The key step a split's range is a multiple of (the device's split_range<GRAN>).
+  const int64_t gran = k.variant.tma ? step_keys : kTileKeys;
   int64_t min_keys = std::max<int64_t>(step_keys, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
-  int n = force_splits > 0 ? force_splits
-                           : snap_splits(choose_splits(units, p.len_kv, f.sms, occ, k.variant.stages, min_keys),
-                                         p.len_kv);
+  int n = force_splits > 0
+              ? force_splits
+              : snap_splits(choose_splits(units, p.len_kv, f.sms, occ, k.variant.stages, min_keys,
+                                          k.variant.tma),
+                            p.len_kv, gran);
   // The fused combine keeps rb * n weights (+ 2 rb row stats) in the kernel's smem.
   const int smem_cap = static_cast<int>((k.smem / sizeof(float) - 2 * rb) / rb);
   n = std::max(1, std::min({n, kMaxSplits, smem_cap}));
@@ -249,7 +345,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // largest count, jax_sdpa/dispatch.py): fewer splits when they do not fit.
   if (n > 1 && workspace_layout(p, n, units, false).bytes > workspace_bytes) {
     while (n > 1 && workspace_layout(p, n, units, false).bytes > workspace_bytes) --n;
-    n = snap_splits(n, p.len_kv);
+    n = snap_splits(n, p.len_kv, gran);
   }
   plan->num_splits = n;
   // Auto combine: the last split block of a unit merges n partials of its valid
@@ -272,13 +368,13 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %sW%d S%d L2 %d%s rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "dtype%d -> %s%sW%d S%d L2 %d%s rows/block %d chunks %d splits %d occ %d/SM smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
-                  k.variant.wide ? "wide " : "", k.variant.warps, k.variant.stages,
+                  k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "", k.variant.warps, k.variant.stages,
                   k.variant.prefetch, k.variant.lockstep ? " lockstep" : "", rb, plan->row_chunks,
                   n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
@@ -360,8 +456,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   }
 
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
-  k.launch(a, grid, k.threads, k.smem, stream);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = k.launch(a, grid, k.threads, k.smem, stream);
   if (e != cudaSuccess) return e;
   if (plan.num_splits > 1 && !plan.fused_combine) {
     // kCombineLanes threads per (row, 4 dv) item, 128 threads a block.

@@ -185,14 +185,16 @@ __device__ __forceinline__ int64_t out_offset(const Args& a, int b, int h, int i
 // red_o [W][16][DV] (each warp's max, sum and unnormalized output per row).
 // One thread per row first folds the warps' max/sum (and the sink, or the split's
 // lse) into per-warp coefficients, so that the wide pass over the block's RB x DV
-// outputs is W float4 loads and FMAs per 4 outputs.
-template <typename T, int DV, int W>
+// outputs is W float4 loads and FMAs per 4 outputs. XW more warps (after the W that
+// computed: decode_tma_kernel's producer) pass the barriers and take no work.
+template <typename T, int DV, int W, int XW = 0>
 __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, int b,
                                              int kvh, int r0, int split, int qlen) {
   const float* red_m = red;
   const float* red_l = red + W * 16;
   const float* red_o = red + 2 * W * 16;
   const int nthreads = W * 32;
+  const bool idle = XW > 0 && threadIdx.x >= nthreads;
   __shared__ float s_coef[16][W];
   __shared__ int64_t s_dst[16];  // element offset of the row's dv 0 in out / part_o; -1: none
   if (threadIdx.x < RB) {
@@ -236,7 +238,7 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
   }
   __syncthreads();
   constexpr int DV4 = DV / 4;
-  for (int idx = threadIdx.x; idx < RB * DV4; idx += nthreads) {
+  for (int idx = idle ? RB * DV4 : threadIdx.x; idx < RB * DV4; idx += nthreads) {
     const int rr = idx / DV4, c = idx - rr * DV4;
     const int64_t dst = s_dst[rr];
     if (dst < 0) continue;
@@ -281,7 +283,7 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
   float* rowL = rowM + RB;                   // [RB]
   {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int rr = warp; rr < RB; rr += W) {  // warp-uniform loop
+    for (int rr = idle ? RB : warp; rr < RB; rr += W) {  // warp-uniform loop
       const int r = r0 + rr;
       if (r >= a.R) continue;
       const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
@@ -307,7 +309,7 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < RB * DV4; idx += nthreads) {
+  for (int idx = idle ? RB * DV4 : threadIdx.x; idx < RB * DV4; idx += nthreads) {
     const int rr = idx / DV4, c = idx - rr * DV4;
     const int r = r0 + rr;
     if (r >= a.R) continue;
@@ -335,7 +337,9 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;  // ready for the next call on this stream
 }
 
-// The block's key range [ks0, ks1) for this split.
+// The block's key range [ks0, ks1) for this split: the union of its rows' ranges cut
+// into nsplit chunks of a multiple of GRAN keys (the kernel's key step).
+template <int GRAN = kTileKeys>
 __device__ __forceinline__ void split_range(const Args& a, int b, int kvh, int r0, int RB,
                                             int split, int qlen, int kvlen, int* ks0,
                                             int* ks1) {
@@ -352,7 +356,7 @@ __device__ __forceinline__ void split_range(const Args& a, int b, int kvh, int r
     return;
   }
   int chunk = (kb1 - kb0 + a.nsplit - 1) / a.nsplit;
-  chunk = (chunk + kTileKeys - 1) / kTileKeys * kTileKeys;
+  chunk = (chunk + GRAN - 1) / GRAN * GRAN;
   const long long s0 = kb0 + static_cast<long long>(split) * chunk;
   *ks0 = static_cast<int>(s0 < kb1 ? s0 : kb1);
   *ks1 = static_cast<int>(min(static_cast<long long>(kb1), s0 + chunk));

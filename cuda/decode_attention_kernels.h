@@ -5,8 +5,11 @@
 
 #include <cstdint>
 
+#include <type_traits>
+
 #include "decode_attention.cuh"
 #include "decode_attention.h"
+#include "decode_tma.cuh"
 #include "decode_wide.cuh"
 
 namespace jax_sdpa {
@@ -29,7 +32,7 @@ namespace cuda_decode {
 
 struct KernelInfo {
   const void* func = nullptr;
-  void (*launch)(const Args&, dim3, int, size_t, cudaStream_t) = nullptr;
+  cudaError_t (*launch)(const Args&, dim3, int, size_t, cudaStream_t) = nullptr;
   void (*combine)(const Args&, dim3, cudaStream_t) = nullptr;
   int threads = 0;
   size_t smem = 0;
@@ -56,6 +59,7 @@ KernelInfo kernel_info(int threads, size_t smem, bool tensor_cores, KernelVarian
   k.func = reinterpret_cast<const void*>(Kernel);
   k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
     Kernel<<<grid, threads, smem, st>>>(a);
+    return cudaGetLastError();
   };
   k.combine = &launch_combine<T, DV>;
   k.threads = threads;
@@ -103,6 +107,56 @@ struct TcDefault {
   static constexpr int S = (D + DV <= 256) ? 2 : 1;
 };
 
+// The K and V tensor maps of decode_tma_kernel: 5-D (64 elements, D / 64 chunks, then kv
+// head, key and batch ordered by stride), boxes of box_keys keys, 128-byte swizzle, zeros
+// past the tensor. Any pointer works for a trial (plan time: can these strides be mapped?).
+cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
+                           const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
+                           int box_keys, TmaMaps* maps);
+
+template <typename T, int D, int DV, int NT, int W, int S>
+cudaError_t launch_tma(const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
+  TmaMaps maps;
+  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
+                                 std::is_same<T, __nv_bfloat16>::value, D, DV,
+                                 TmaConfig<T, D, DV, NT, W, S>::kKeys, &maps);
+  if (e != cudaSuccess) return e;
+  decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, int DV, int NT, int W, int S>
+KernelInfo tma_info() {
+  using Cfg = TmaConfig<T, D, DV, NT, W, S>;
+  static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
+  KernelInfo k;
+  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S>);
+  k.launch = &launch_tma<T, D, DV, NT, W, S>;
+  k.combine = &launch_combine<T, DV>;
+  k.threads = Cfg::kThreads;
+  k.smem = Cfg::kSmem;
+  k.tensor_cores = true;
+  k.variant = KernelVariant{W, S, 0, false, false, true};
+  return k;
+}
+
+// decode_tma_kernel variants (D = Dv = 128): W consumer warps x S stages of 16 W keys
+// (KB of smem / blocks per SM: W4 S2 66/3, W4 S3 99/2, W4 S4 132/1, W4 S6 197/1, W8 S2
+// 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built.
+template <typename T, int D, int DV, int NT>
+KernelInfo tma_select(int w, int s) {
+  if constexpr (D == 128 && DV == 128) {
+    if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2>();
+    if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3>();
+    if (w == 4 && s == 4) return tma_info<T, D, DV, NT, 4, 4>();
+    if (w == 4 && s == 6) return tma_info<T, D, DV, NT, 4, 6>();
+    if (w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2>();
+    if (w == 8 && s == 3) return tma_info<T, D, DV, NT, 8, 3>();
+    if (w == 2 && s == 4) return tma_info<T, D, DV, NT, 2, 4>();
+  }
+  return KernelInfo{};
+}
+
 template <typename T, int D, int DV, int NW, int S, int PF = kTcPrefetch>
 KernelInfo wide_info() {
   using Cfg = WideConfig<T, D, DV, NW, S>;
@@ -130,6 +184,11 @@ template <typename T, int D, int DV, int NT>
 KernelInfo tc_select(const KernelVariant& want) {
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
+  if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s);
+    if (k.func != nullptr) return k;
+    w = s = 0;
+  }
   if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default
     if constexpr (NT == 1) {
       KernelInfo k = wide_select<T, D, DV>(w, s);
