@@ -204,9 +204,11 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
     return cudaErrorNotSupported;
   // Tensor dims 2..4 = (kv head, key, batch) sorted by stride (the encoder wants them
   // ordered). The kernel reads the order back from the maps.
+  // Index 0, 1, 2 = kv head, key, batch (ks / vs: batch, head, key element strides).
   const int64_t size[3] = {Hk, Lk, B};
+  const int64_t kst[3] = {ks[1], ks[2], ks[0]}, vst[3] = {vs[1], vs[2], vs[0]};
   int order[3] = {0, 1, 2};
-  std::sort(order, order + 3, [&](int x, int y) { return ks[x] < ks[y]; });
+  std::sort(order, order + 3, [&](int x, int y) { return kst[x] < kst[y]; });
   auto one = [&](const void* base, const int64_t (&st)[3], int width, CUtensorMap* map) {
     const int esz = 2;
     cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(width / 64), 0, 0, 0};
@@ -228,8 +230,8 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
   };
   // Both maps use K's dim order: V must be ordered the same way.
   for (int i = 0; i + 1 < 3; ++i)
-    if (vs[order[i]] > vs[order[i + 1]]) return cudaErrorNotSupported;
-  if (!one(k, ks, d, &maps->k) || !one(v, vs, dv, &maps->v)) return cudaErrorNotSupported;
+    if (vst[order[i]] > vst[order[i + 1]]) return cudaErrorNotSupported;
+  if (!one(k, kst, d, &maps->k) || !one(v, vst, dv, &maps->v)) return cudaErrorNotSupported;
   for (int i = 0; i < 3; ++i) maps->order[i] = order[i];
   return cudaSuccess;
 }
