@@ -440,17 +440,19 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the
 # split count; COMBINE picks the split-K merge. {} = the defaults.
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
-_TMA = [{"TMA": ws} for ws in ("4,2", "4,3", "4,4", "4,6", "8,2", "8,3", "2,4")]
+# TMA = W,S[,MODE] of decode_tma_kernel (MODE 1: no math, the streaming rate alone, wrong
+# results; 2: blocks start at rotated stages); TMA_L2 = its tensor maps' L2 fetch size.
+_TMA = ([{}, {"L2": "132"}, {"TMA": "8,3"}, {"TMA": "8,3,1"}, {"TMA": "8,3,2"},
+         {"TMA": "8,3", "TMA_L2": "128"}, {"TMA": "8,3", "TMA_L2": "0"},
+         {"TMA": "4,2"}, {"TMA": "4,2,1"}, {"TMA": "4,2,2"}])
 SWEEP = [
-    (BENCH_ROWS[0], [{}, {"L2": "132"}] + _TMA + [{"TMA": "4,3", "SPLITS": "2"},
-                                                  {"TMA": "4,4", "SPLITS": "4"}]),
-    (BENCH_ROWS[1], [{}, {"L2": "132"}] + _TMA),
-    (BENCH_ROWS[4], [{}, {"L2": "132"}] + _TMA),
-    (BENCH_ROWS[2], [{}, {"WIDE": "4,4"}]),
-    (BENCH_ROWS[3], [{}, {"SPLITS": "16"}]),
+    (BENCH_ROWS[0], _TMA),
+    (BENCH_ROWS[1], _TMA),
+    (BENCH_ROWS[4], _TMA),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "LOCKSTEP", "WIDE", "TMA", "MIN_SPLIT_KB")
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "LOCKSTEP", "WIDE", "TMA", "TMA_L2",
+               "MIN_SPLIT_KB")
 
 
 def run_sweep(copy_bw, budget_s=150.0):

@@ -209,6 +209,13 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
   const int64_t kst[3] = {ks[1], ks[2], ks[0]}, vst[3] = {vs[1], vs[2], vs[0]};
   int order[3] = {0, 1, 2};
   std::sort(order, order + 3, [&](int x, int y) { return kst[x] < kst[y]; });
+  // L2 fetch size (experiment knob JAX_SDPA_CUDA_DECODE_TMA_L2=0|64|128|256, default 256).
+  const int l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", 256);
+  const CUtensorMapL2promotion promotion =
+      l2 == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+              : (l2 == 64 ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+                          : (l2 == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                       : CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
   auto one = [&](const void* base, const int64_t (&st)[3], int width, CUtensorMap* map) {
     const int esz = 2;
     cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(width / 64), 0, 0, 0};
@@ -224,7 +231,7 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
     const CUresult r = encode(
         map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
         const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_SWIZZLE_128B, promotion,
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS;
   };
@@ -275,11 +282,12 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
   }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_TMA")) {
-    int nw = 0, st = 0;
-    if (std::sscanf(v, "%d,%d", &nw, &st) == 2 && nw > 0 && st > 0) {
+    int nw = 0, st = 0, mode = 0;
+    if (std::sscanf(v, "%d,%d,%d", &nw, &st, &mode) >= 2 && nw > 0 && st > 0) {
       want.tma = true;
       want.warps = nw;
       want.stages = st;
+      want.prefetch = mode;  // W,S,MODE: decode_tma_kernel's experiments (decode_tma.cuh)
     }
   }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
