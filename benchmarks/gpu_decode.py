@@ -442,13 +442,12 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
 # TMA = W,S[,MODE] of decode_tma_kernel (MODE 1: no math, the streaming rate alone, wrong
 # results; 2: blocks start at rotated stages); TMA_L2 = its tensor maps' L2 fetch size.
-_TMA = ([{}, {"L2": "132"}, {"TMA": "8,3"}, {"TMA": "8,3,1"}, {"TMA": "8,3,2"},
-         {"TMA": "8,3", "TMA_L2": "128"}, {"TMA": "8,3", "TMA_L2": "0"},
-         {"TMA": "4,2"}, {"TMA": "4,2,1"}, {"TMA": "4,2,2"}])
+_TMA = ([{}, {"TMA": "8,3"}, {"TMA": "8,3,1"}, {"TMA": "8,2"}, {"TMA": "4,2"}, {"TMA": "4,3"},
+         {"TMA": "4,4"}, {"TMA": "4,6"}, {"TMA": "8,3", "TMA_L2": "64"}])
 SWEEP = [
-    (BENCH_ROWS[0], _TMA),
-    (BENCH_ROWS[1], _TMA),
-    (BENCH_ROWS[4], _TMA),
+    (BENCH_ROWS[0], _TMA + [{"TMA": "8,3", "SPLITS": "4"}, {"TMA": "4,2", "SPLITS": "4"}]),
+    (BENCH_ROWS[1], _TMA + [{"TMA": "8,3", "SPLITS": "32"}, {"TMA": "4,2", "SPLITS": "48"}]),
+    (BENCH_ROWS[4], _TMA + [{"TMA": "8,3", "SPLITS": "2"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "LOCKSTEP", "WIDE", "TMA", "TMA_L2",

@@ -209,8 +209,10 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
   const int64_t kst[3] = {ks[1], ks[2], ks[0]}, vst[3] = {vs[1], vs[2], vs[0]};
   int order[3] = {0, 1, 2};
   std::sort(order, order + 3, [&](int x, int y) { return kst[x] < kst[y]; });
-  // L2 fetch size (experiment knob JAX_SDPA_CUDA_DECODE_TMA_L2=0|64|128|256, default 256).
-  const int l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", 256);
+  // L2 fetch size: 128 bytes. H200, GB/s at 256 / 128 / none (TMA W8 S3, results/
+  // gpu_decode_sweep_20261130T1513.json): B8 Lk8192 3386 / 3589 / 3570, B1 Lk32768 2862 /
+  // 2950 / 2958, B64 Lk2048 3670 / 3855 / 3849. Knob JAX_SDPA_CUDA_DECODE_TMA_L2=0|64|128|256.
+  const int l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", 128);
   const CUtensorMapL2promotion promotion =
       l2 == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
               : (l2 == 64 ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
