@@ -440,14 +440,16 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the
 # split count; COMBINE picks the split-K merge. {} = the defaults.
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
-# TMA = W,S[,MODE] of decode_tma_kernel (MODE 1: no math, the streaming rate alone, wrong
-# results; 2: blocks start at rotated stages); TMA_L2 = its tensor maps' L2 fetch size.
-_TMA = ([{}, {"TMA": "8,3"}, {"TMA": "8,3,1"}, {"TMA": "8,2"}, {"TMA": "4,2"}, {"TMA": "4,3"},
-         {"TMA": "4,4"}, {"TMA": "4,6"}, {"TMA": "8,3", "TMA_L2": "64"}])
+# TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+; "off": never), TMA_L2 = its
+# tensor maps' L2 fetch size (0, 64, 128, 256).
+_TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "8,3"}, {"TMA": "4,2"}, {"TMA": "4,3"},
+        {"TMA": "4,4"}, {"TMA": "8,2", "TMA_L2": "256"}]
 SWEEP = [
-    (BENCH_ROWS[0], _TMA + [{"TMA": "8,3", "SPLITS": "4"}, {"TMA": "4,2", "SPLITS": "4"}]),
-    (BENCH_ROWS[1], _TMA + [{"TMA": "8,3", "SPLITS": "32"}, {"TMA": "4,2", "SPLITS": "48"}]),
-    (BENCH_ROWS[4], _TMA + [{"TMA": "8,3", "SPLITS": "2"}]),
+    (BENCH_ROWS[0], _TMA + [{"TMA": "4,2", "SPLITS": "4"}]),
+    (BENCH_ROWS[1], _TMA),
+    (BENCH_ROWS[4], _TMA),
+    (BENCH_ROWS[2], [{}, {"WIDE": "4,4"}]),
+    (BENCH_ROWS[3], [{}, {"SPLITS": "16"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "LOCKSTEP", "WIDE", "TMA", "TMA_L2",

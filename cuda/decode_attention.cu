@@ -284,12 +284,11 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
   }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_TMA")) {
-    int nw = 0, st = 0, mode = 0;
-    if (std::sscanf(v, "%d,%d,%d", &nw, &st, &mode) >= 2 && nw > 0 && st > 0) {
+    int nw = 0, st = 0;
+    if (std::sscanf(v, "%d,%d", &nw, &st) == 2 && nw > 0 && st > 0) {
       want.tma = true;
       want.warps = nw;
       want.stages = st;
-      want.prefetch = mode;  // W,S,MODE: decode_tma_kernel's experiments (decode_tma.cuh)
     }
   }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
@@ -307,10 +306,26 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
+  // decode_tma_kernel needs sm_90+ and K / V strides a tensor map can describe.
+  const bool tma_ok = f.cc_major >= 9 && p.dtype != DType::kF32 && tma_mappable(p, 64);
+  // Default at 16-bit D = Dv = 128 where it can run (JAX_SDPA_CUDA_DECODE_TMA=off: never).
+  // H200, GB/s, decode_tc_kernel -> TMA (results/gpu_decode_sweep_20261130T1514.json):
+  // B8 H32/KV8 Lk8192 3323 -> 3592 (W8 S2), B1 Lk32768 2784 -> 2965 (W8 S2), B64 Lk2048
+  // 3661 -> 4006 (W4 S2: three blocks an SM beat W8's one once the units fill the SMs).
+  const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
+  const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
+  const bool default_want = want == KernelVariant{0, 0, -1, false, false, false};
+  if (default_want && !tma_off && tma_ok && p.head_dim == 128 && p.head_dim_v == 128) {
+    const int64_t units0 = p.batch * p.heads_kv * ((R + rb - 1) / rb);
+    want.tma = true;
+    // W8 at 16 rows a block spills: W4 there.
+    want.warps = (units0 >= f.sms || rb == 16) ? 4 : 8;
+    want.stages = 2;
+    want.prefetch = 0;
+  }
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
-  // decode_tma_kernel needs sm_90+ and K / V strides a tensor map can describe.
-  if (k.variant.tma && (f.cc_major < 9 || !tma_mappable(p, kTileKeys * k.variant.warps))) {
+  if (k.variant.tma && !tma_ok) {
     want = KernelVariant{};
     want.prefetch = -1;
     k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);

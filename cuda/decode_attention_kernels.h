@@ -114,30 +114,29 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
                            int box_keys, TmaMaps* maps);
 
-template <typename T, int D, int DV, int NT, int W, int S, int MODE>
+template <typename T, int D, int DV, int NT, int W, int S>
 cudaError_t launch_tma(const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
   TmaMaps maps;
   cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
                                  std::is_same<T, __nv_bfloat16>::value, D, DV,
                                  TmaConfig<T, D, DV, NT, W, S>::kKeys, &maps);
   if (e != cudaSuccess) return e;
-  decode_tma_kernel<T, D, DV, NT, W, S, MODE><<<grid, threads, smem, st>>>(a, maps);
+  decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
   return cudaGetLastError();
 }
 
-// MODE (decode_tma_kernel's experiments) is kept in the variant's `prefetch` field.
-template <typename T, int D, int DV, int NT, int W, int S, int MODE = 0>
+template <typename T, int D, int DV, int NT, int W, int S>
 KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
   KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S, MODE>);
-  k.launch = &launch_tma<T, D, DV, NT, W, S, MODE>;
+  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S>);
+  k.launch = &launch_tma<T, D, DV, NT, W, S>;
   k.combine = &launch_combine<T, DV>;
   k.threads = Cfg::kThreads;
   k.smem = Cfg::kSmem;
   k.tensor_cores = true;
-  k.variant = KernelVariant{W, S, MODE, false, false, true};
+  k.variant = KernelVariant{W, S, 0, false, false, true};
   return k;
 }
 
@@ -145,13 +144,7 @@ KernelInfo tma_info() {
 // (KB of smem / blocks per SM: W4 S2 66/3, W4 S3 99/2, W4 S4 132/1, W4 S6 197/1, W8 S2
 // 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built.
 template <typename T, int D, int DV, int NT>
-KernelInfo tma_select(int w, int s, int mode) {
-  if constexpr (D == 128 && DV == 128 && NT == 1) {
-    if (mode == 1 && w == 8 && s == 3) return tma_info<T, D, DV, NT, 8, 3, 1>();
-    if (mode == 2 && w == 8 && s == 3) return tma_info<T, D, DV, NT, 8, 3, 2>();
-    if (mode == 1 && w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, 1>();
-    if (mode == 2 && w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, 2>();
-  }
+KernelInfo tma_select(int w, int s) {
   if constexpr (D == 128 && DV == 128) {
     if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2>();
     if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3>();
@@ -192,7 +185,7 @@ KernelInfo tc_select(const KernelVariant& want) {
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
   if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
-    KernelInfo k = tma_select<T, D, DV, NT>(w, s, pf > 0 ? pf : 0);
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s);
     if (k.func != nullptr) return k;
     w = s = 0;
   }

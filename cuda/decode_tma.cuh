@@ -80,10 +80,7 @@ __device__ __forceinline__ int key_row(int k) {
   return 4 * (2 * a + b) + (t ^ b);
 }
 
-// MODE (experiments, sweep only): 0 the kernel; 1 no math (the consumers only wait for
-// and release the stages: the streaming rate alone; wrong results); 2 each block starts
-// at a rotated stage of its range (staggers the blocks' DRAM addresses).
-template <typename T, int D, int DV, int NT, int W, int S, int MODE = 0>
+template <typename T, int D, int DV, int NT, int W, int S>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     decode_tma_kernel(const Args a, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -113,10 +110,6 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   int ks0, ks1;
   split_range<TK>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
-  const int rot = MODE == 2 && nst > 0 ? static_cast<int>((blockIdx.x * 7919u + blockIdx.y * 104729u) % nst) : 0;
-  // Ring slot `it` holds the key stage phys(it) (MODE 2: rotated; the order of keys
-  // does not matter to the online softmax).
-  auto phys = [&](int it) { return MODE == 2 ? (it + rot < nst ? it + rot : it + rot - nst) : it; };
 
   if (tid == W * 32) {
 #pragma unroll
@@ -161,7 +154,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
         const int s = it % S;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
         mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(Cfg::kStageBytes));
-        const int key = ks0 + phys(it) * TK;
+        const int key = ks0 + it * TK;
         // Coordinate of tensor dim 2 + i: (kv head, key, batch)[order[i]] (selects, not an
         // indexed local array: that would live on the stack).
         auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
@@ -196,11 +189,11 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
     for (int it = 0; it < nst; ++it) {
       const int s = it % S;
       mbar_wait(&full[s], (it / S) & 1);
-      const int j0 = ks0 + phys(it) * TK + kTileKeys * w;
+      const int j0 = ks0 + it * TK + kTileKeys * w;
       const unsigned char* Kt = ring + s * Cfg::kStageBytes + w * kTileKeys * D * sizeof(T);
       unsigned char* Vt =
           ring + s * Cfg::kStageBytes + Cfg::kKBytes + w * kTileKeys * DV * sizeof(T);
-      if (MODE != 1 && j0 < ks1) {
+      if (j0 < ks1) {
         if (j0 + kTileKeys > ks1) {
           // Keys past the union of the rows' ranges: their scores are masked, but a
           // fixed-size cache may hold NaN / inf there and 0 * NaN is NaN: zero V's rows
