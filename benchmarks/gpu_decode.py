@@ -442,10 +442,9 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # Rows: (name, dt, B, Hq, Hk, Lk, D).
 # TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+; "off": never), TMA_L2 = its
 # tensor maps' L2 fetch size (0, 64, 128, 256).
-_TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "8,3"}, {"TMA": "4,2"}, {"TMA": "4,3"},
-        {"TMA": "4,4"}, {"TMA": "8,2", "TMA_L2": "256"}]
+_TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "4,2"}]
 SWEEP = [
-    (BENCH_ROWS[0], _TMA + [{"TMA": "4,2", "SPLITS": "4"}]),
+    (BENCH_ROWS[0], _TMA),
     (BENCH_ROWS[1], _TMA),
     (BENCH_ROWS[4], _TMA),
     (BENCH_ROWS[2], [{}, {"WIDE": "4,4"}]),

@@ -315,11 +315,13 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
   const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
   const bool default_want = want == KernelVariant{0, 0, -1, false, false, false};
-  if (default_want && !tma_off && tma_ok && p.head_dim == 128 && p.head_dim_v == 128) {
+  // Only at 8 rows a block: at 16 (R 64, B8 Lk4096) it was slower than decode_tc_kernel
+  // (174.6 vs ~120 us, results/gpu_decode_crossover_20261130T1522.json).
+  if (default_want && !tma_off && tma_ok && rb == 8 && p.head_dim == 128 &&
+      p.head_dim_v == 128) {
     const int64_t units0 = p.batch * p.heads_kv * ((R + rb - 1) / rb);
     want.tma = true;
-    // W8 at 16 rows a block spills: W4 there.
-    want.warps = (units0 >= f.sms || rb == 16) ? 4 : 8;
+    want.warps = units0 >= f.sms ? 4 : 8;
     want.stages = 2;
     want.prefetch = 0;
   }
