@@ -430,18 +430,16 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
     return out
 
 
-# Target rows x knob settings. CFG = tensor-core warps,stages (built for D128 and
-# D512 only, cuda/decode_attention_kernels.h); L2 = the K/V copies' L2 prefetch size
+# Target rows x knob settings. CFG = decode_tc_kernel's warps,stages (built for D128 and
+# D512 only, cuda/decode_attention_kernels.h); L2 = its K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
-# default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2;
-# earlier sweeps' 129 / 130 were plain copies / unpadded smem rows, since removed);
-# LOCKSTEP=1: decode_tc_kernel's warps in lockstep (D128: the default, CFG=4,3, 8,2); WIDE = NW,S of the
-# wide-head kernel (D = Dv in {256, 512}); TMA = W,S of decode_tma_kernel (16-bit D128, sm_90+);
-# MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the
-# split count; COMBINE picks the split-K merge. {} = the defaults.
-# Rows: (name, dt, B, Hq, Hk, Lk, D).
-# TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+; "off": never), TMA_L2 = its
-# tensor maps' L2 fetch size (0, 64, 128, 256).
+# default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
+# WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}); TMA = W,S of
+# decode_tma_kernel (16-bit D = Dv = 128, sm_90+, the default there; "off": never);
+# TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128, 256); MIN_SPLIT_KB = least K+V
+# bytes a split; SPLITS pins the split count; COMBINE picks the split-K merge.
+# {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D). (Earlier sweeps' LOCKSTEP, 129,
+# 130, TMA MODE 1 / 2 were experiments since removed: docs/cuda_decode.md.)
 _TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "4,2"}]
 SWEEP = [
     (BENCH_ROWS[0], _TMA),
@@ -451,7 +449,7 @@ SWEEP = [
     (BENCH_ROWS[3], [{}, {"SPLITS": "16"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "LOCKSTEP", "WIDE", "TMA", "TMA_L2",
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "TMA", "TMA_L2",
                "MIN_SPLIT_KB")
 
 

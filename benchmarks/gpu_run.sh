@@ -82,7 +82,7 @@ if has shared; then
 fi
 
 # The decode pieces (decode = decode_check + decode_bench). decode_check runs the check
-# again under each knob setting in DECODE_CHECK_KNOBS, e.g. "L2=132 WIDE=4,4 LOCKSTEP=1"
+# again under each knob setting in DECODE_CHECK_KNOBS, e.g. "L2=132 WIDE=4,4 TMA=4,2 TMA=off"
 # (JAX_SDPA_CUDA_DECODE_<setting>: the kernel variants of docs/cuda_decode.md).
 if has api; then
   say "public API smoke: one call + grad per GPU implementation"

@@ -279,7 +279,6 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   }
   KernelVariant want;
   want.prefetch = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
-  want.lockstep = env_int("JAX_SDPA_CUDA_DECODE_LOCKSTEP", 0) != 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
     if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
   }
@@ -314,7 +313,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // 3661 -> 4006 (W4 S2: three blocks an SM beat W8's one once the units fill the SMs).
   const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
   const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
-  const bool default_want = want == KernelVariant{0, 0, -1, false, false, false};
+  const bool default_want = want == KernelVariant{0, 0, -1, false, false};
   // Only at 8 rows a block: at 16 (R 64, B8 Lk4096) it was slower than decode_tc_kernel
   // (174.6 vs ~120 us, results/gpu_decode_crossover_20261130T1522.json).
   if (default_want && !tma_off && tma_ok && rb == 8 && p.head_dim == 128 &&
@@ -397,14 +396,14 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%sW%d S%d L2 %d%s rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "dtype%d -> %s%sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
-                  k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "", k.variant.warps, k.variant.stages,
-                  k.variant.prefetch, k.variant.lockstep ? " lockstep" : "", rb, plan->row_chunks,
+                  k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "", k.variant.warps,
+                  k.variant.stages, k.variant.prefetch, rb, plan->row_chunks,
                   n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
                   workspace_bytes);

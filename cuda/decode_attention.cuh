@@ -443,10 +443,8 @@ struct TcConfig {
       (kQBytes + kRingBytes) > kRedBytes ? (kQBytes + kRingBytes) : kRedBytes;
 };
 
-// PF: the copies' L2 mode (cp_async16_l2). LOCK (experiment): the warps step through
-// their tiles in lockstep (a block barrier a step), so that the block's copies in flight
-// cover one contiguous stretch of K and V (DRAM locality).
-template <typename T, int D, int DV, int NT, int W, int S, int PF, bool LOCK>
+// PF: the copies' L2 mode (cp_async16_l2).
+template <typename T, int D, int DV, int NT, int W, int S, int PF>
 __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
@@ -519,12 +517,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[c][j][n][e] = 0.f;
 
-  const int steps = LOCK ? (ntiles + W - 1) / W : my_tiles;
-  for (int it = 0; it < steps; ++it) {
-    if constexpr (LOCK) {
-      __syncthreads();
-      if (it >= my_tiles) continue;  // this warp's tiles are done; it keeps the barriers
-    }
+  for (int it = 0; it < my_tiles; ++it) {
     {
       const int nx = it + S - 1;
       if (nx < my_tiles)

@@ -52,11 +52,10 @@ struct KernelVariant {
   int prefetch = -1;          // L2 mode of the K/V copies: 0, 128, 256 bytes of prefetch,
                               // or 128 + kEvictFirst (132)
   bool wide = false;          // decode_wide_kernel: the warps split the head dims
-  bool lockstep = false;      // decode_tc_kernel with its warps in lockstep (experiment)
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           lockstep == o.lockstep && tma == o.tma;
+           tma == o.tma;
   }
 };
 
@@ -90,7 +89,6 @@ std::string unsupported_reason(const SdpaParams& p);
 //                                     128; 132: 128 with the lines marked evict-first)
 //   JAX_SDPA_CUDA_DECODE_WIDE=NW,S    the wide-head kernel (D = Dv in {256, 512}, <= 8 rows
 //                                     a block): NW warps splitting the head dims, S stages
-//   JAX_SDPA_CUDA_DECODE_LOCKSTEP=1   decode_tc_kernel's warps in lockstep, where built
 //   JAX_SDPA_CUDA_DECODE_TMA=W,S      decode_tma_kernel (sm_90+, 16-bit D = Dv = 128): W
 //                                     consumer warps, S stages of 16 W keys; 0,0: off
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)

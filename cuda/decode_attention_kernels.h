@@ -69,12 +69,12 @@ KernelInfo kernel_info(int threads, size_t smem, bool tensor_cores, KernelVarian
   return k;
 }
 
-template <typename T, int D, int DV, int NT, int W, int S, int PF, bool LOCK = false>
+template <typename T, int D, int DV, int NT, int W, int S, int PF>
 KernelInfo tc_info() {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_tc_kernel: too much shared memory");
-  return kernel_info<&decode_tc_kernel<T, D, DV, NT, W, S, PF, LOCK>, T, DV>(
-      Cfg::kThreads, Cfg::kSmem, true, KernelVariant{W, S, PF, false, LOCK});
+  return kernel_info<&decode_tc_kernel<T, D, DV, NT, W, S, PF>, T, DV>(
+      Cfg::kThreads, Cfg::kSmem, true, KernelVariant{W, S, PF, false});
 }
 
 // The tensor-core kernels' K/V copies ask the L2 for whole 128-byte lines: on the H200
@@ -136,7 +136,7 @@ KernelInfo tma_info() {
   k.threads = Cfg::kThreads;
   k.smem = Cfg::kSmem;
   k.tensor_cores = true;
-  k.variant = KernelVariant{W, S, 0, false, false, true};
+  k.variant = KernelVariant{W, S, 0, false, true};
   return k;
 }
 
@@ -162,7 +162,7 @@ KernelInfo wide_info() {
   using Cfg = WideConfig<T, D, DV, NW, S>;
   static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_wide_kernel: too much shared memory");
   return kernel_info<&decode_wide_kernel<T, D, DV, NW, S, PF>, T, DV>(
-      Cfg::kThreads, Cfg::kSmem, true, KernelVariant{NW, S, PF, true, false});
+      Cfg::kThreads, Cfg::kSmem, true, KernelVariant{NW, S, PF, true});
 }
 
 // decode_wide_kernel variants: D = Dv in {256, 512}; NW 4 (D512 also 8); S 3 or 4
@@ -209,11 +209,6 @@ KernelInfo tc_select(const KernelVariant& want) {
     if (dflt && pf == 256) return tc_info<T, D, DV, NT, W0, S0, 256>();
     if (dflt && pf == 128 + kEvictFirst) return tc_info<T, D, DV, NT, W0, S0, 128 + kEvictFirst>();
     if constexpr (D == 128) {
-      if (want.lockstep) {  // experiment, not yet run: W4 S2 (default), W4 S3, W8 S2
-        if (dflt) return tc_info<T, D, DV, NT, W0, S0, kTcPrefetch, true>();
-        if (w == 4 && s == 3) return tc_info<T, D, DV, NT, 4, 3, kTcPrefetch, true>();
-        if (w == 8 && s == 2) return tc_info<T, D, DV, NT, 8, 2, kTcPrefetch, true>();
-      }
       if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
     }
@@ -243,7 +238,7 @@ KernelInfo simt_info() {
   constexpr int S = 1;
   using Cfg = SimtConfig<D, DV, W, S>;
   return kernel_info<&decode_simt_kernel<D, DV, W, S, PF>, float, DV>(
-      Cfg::kThreads, Cfg::kSmem, false, KernelVariant{W, S, PF, false, false});
+      Cfg::kThreads, Cfg::kSmem, false, KernelVariant{W, S, PF, false});
 }
 
 template <int D, int DV>
