@@ -208,133 +208,25 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
           __syncwarp();
         }
 
-        // S = Q K^T (decode_tc_kernel's math; swizzled, permuted fragment addresses).
-        float sc[2][4], sc_odd[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sc[n][e] = sc_odd[n][e] = 0.f;
-#pragma unroll
-        for (int c = 0; c < NKC; ++c) {
-          float(&acc_s)[2][4] = (c & 1) ? sc_odd : sc;
+        // decode_tc_kernel's math (tc_tile_step) on swizzled, permuted fragment addresses.
+        auto qk = [&](int c, uint4& qa_, uint4& qb_, uint4& k0, uint4& k1) {
           const int f = qk_chunk<D>(c, t);
-          const uint4 k0 = *reinterpret_cast<const uint4*>(Kt + swizzled<KLPR>(krow0, f));
-          const uint4 k1 = *reinterpret_cast<const uint4*>(Kt + swizzled<KLPR>(krow1, f));
-          const uint4 q0 = qa[c], q1 = qb[c];
-          mma16816<T>(acc_s[0], q0.x, q1.x, q0.y, q1.y, k0.x, k0.y);
-          mma16816<T>(acc_s[1], q0.x, q1.x, q0.y, q1.y, k1.x, k1.y);
-          mma16816<T>(acc_s[0], q0.z, q1.z, q0.w, q1.w, k0.z, k0.w);
-          mma16816<T>(acc_s[1], q0.z, q1.z, q0.w, q1.w, k1.z, k1.w);
-        }
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sc[n][e] += sc_odd[n][e];
-
-        // sc[n][e]: row g (e < 2) or g + 8, key j0 + srow[n][e & 1].
-        float mxA = -INFINITY, mxB = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = j0 + srow[n][e & 1];
-            const bool upper = e >= 2;
-            if (upper && NT == 1) {
-              sc[n][e] = -INFINITY;
-              continue;
-            }
-            const int first = upper ? rowB.first : rowA.first;
-            const int last = upper ? rowB.last : rowA.last;
-            const int64_t mrow = upper ? rowB.mrow : rowA.mrow;
-            sc[n][e] = masked_score(a, sc[n][e] * a.scale_log2, j, first, last, mrow);
-            if (upper)
-              mxB = fmaxf(mxB, sc[n][e]);
-            else
-              mxA = fmaxf(mxA, sc[n][e]);
-          }
-        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-        const float mnA = fmaxf(mA, mxA);
-        const float muA = mnA == -INFINITY ? 0.f : mnA;
-        const float alA = exp2f(mA - muA);
-        mA = mnA;
-        float alB = 1.f, muB = 0.f;
-        if (NT == 2) {
-          mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-          mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-          const float mnB = fmaxf(mB, mxB);
-          muB = mnB == -INFINITY ? 0.f : mnB;
-          alB = exp2f(mB - muB);
-          mB = mnB;
-        }
-        float sumA = 0.f, sumB = 0.f;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          sc[n][0] = exp2f(sc[n][0] - muA);
-          sc[n][1] = exp2f(sc[n][1] - muA);
-          sumA += sc[n][0] + sc[n][1];
-          if (NT == 2) {
-            sc[n][2] = exp2f(sc[n][2] - muB);
-            sc[n][3] = exp2f(sc[n][3] - muB);
-            sumB += sc[n][2] + sc[n][3];
-          }
-        }
-        lA = lA * alA + sumA;
-        if (NT == 2) lB = lB * alB + sumB;
-
-        if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {
-          const float a0 = __shfl_sync(0xffffffffu, alA, (2 * t) * 4);
-          const float a1 = __shfl_sync(0xffffffffu, alA, (2 * t + 1) * 4);
-          float b0 = 1.f, b1 = 1.f;
-          if (NT == 2) {
-            b0 = __shfl_sync(0xffffffffu, alB, (2 * t) * 4);
-            b1 = __shfl_sync(0xffffffffu, alB, (2 * t + 1) * 4);
-          }
-#pragma unroll
-          for (int c = 0; c < NVC; ++c)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              acc[c][j][0][0] *= a0;
-              acc[c][j][0][1] *= a1;
-              acc[c][j][0][2] *= a0;
-              acc[c][j][0][3] *= a1;
-              if (NT == 2) {
-                acc[c][j][NT - 1][0] *= b0;
-                acc[c][j][NT - 1][1] *= b1;
-                acc[c][j][NT - 1][2] *= b0;
-                acc[c][j][NT - 1][3] *= b1;
-              }
-            }
-        }
-
-        uint32_t pb[NT][2];
-        pb[0][0] = pack2<T>(sc[0][0], sc[0][1]);
-        pb[0][1] = pack2<T>(sc[1][0], sc[1][1]);
-        if (NT == 2) {
-          pb[NT - 1][0] = pack2<T>(sc[0][2], sc[0][3]);
-          pb[NT - 1][1] = pack2<T>(sc[1][2], sc[1][3]);
-        }
-
-        // O^T += V^T P^T: thread (g, t) reads dv chunk pv_chunk(c, g) of the rows behind
-        // keys 2t, 2t+1, 2t+8, 2t+9; m-tile j's rows g / g+8 are dv 8 pv_chunk + 2j / +1.
-#pragma unroll
-        for (int c = 0; c < NVC; ++c) {
+          qa_ = qa[c];
+          qb_ = qb[c];
+          k0 = *reinterpret_cast<const uint4*>(Kt + swizzled<KLPR>(krow0, f));
+          k1 = *reinterpret_cast<const uint4*>(Kt + swizzled<KLPR>(krow1, f));
+        };
+        auto key = [&](int n, int e1) { return j0 + srow[n][e1]; };
+        // Thread (g, t) reads dv chunk pv_chunk(c, g) of the rows behind keys 2t, 2t+1,
+        // 2t+8, 2t+9: m-tile j's rows g / g+8 are dv 8 pv_chunk + 2j / +1.
+        auto pv = [&](int c, uint4& v0, uint4& v1, uint4& v2, uint4& v3) {
           const int h = pv_chunk<DV>(c, g);
-          const uint4 v0 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow0, h));
-          const uint4 v1 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow1, h));
-          const uint4 v2 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow2, h));
-          const uint4 v3 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow3, h));
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t x0 = u4get(v0, j), x1 = u4get(v1, j), x2 = u4get(v2, j),
-                           x3 = u4get(v3, j);
-            const uint32_t A0 = prmt(x0, x1, 0x5410), A1 = prmt(x0, x1, 0x7632);
-            const uint32_t A2 = prmt(x2, x3, 0x5410), A3 = prmt(x2, x3, 0x7632);
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-              mma16816<T>(acc[c][j][n], A0, A1, A2, A3, pb[n][0], pb[n][1]);
-          }
-        }
+          v0 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow0, h));
+          v1 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow1, h));
+          v2 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow2, h));
+          v3 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow3, h));
+        };
+        tc_tile_step<T, D, DV, NT>(a, rowA, rowB, qk, key, pv, mA, mB, lA, lB, acc);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[s]);  // the stage may be refilled
