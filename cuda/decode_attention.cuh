@@ -602,7 +602,6 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
   constexpr int RB = NT * 8;
-  constexpr int NKC = (D + 31) / 32;   // 32-wide head-dim chunks (QK)
   constexpr int NVC = (DV + 63) / 64;  // 64-wide dv chunks (PV)
   constexpr int EPV = 16 / sizeof(T);
   extern __shared__ __align__(16) unsigned char smem[];

@@ -13,9 +13,10 @@
 // Shared-memory tiles are written with the 128-byte swizzle (16-byte chunk c of
 // 128-byte line L lands at chunk c ^ (L % 8)), so the fragment loads read
 // swizzled addresses. Two free permutations keep every 16-byte fragment load
-// conflict-free (checked by enumeration): the order of the head dims inside the
-// QK loop (qk_chunk, the same for Q and K) and which smem row feeds each mma key
-// index (key_row, the same for the QK n index, the PV k index and the masks).
+// conflict-free: the order of the head dims inside the QK loop (qk_chunk, the same
+// for Q and K) and which smem row feeds each mma key index (key_row, the same for
+// the QK n index, the PV k index and the masks). tests/test_decode_tma_layout.py
+// checks both (bijections, no bank conflicts) on the host.
 #pragma once
 
 #include "cuda/decode_attention.cuh"
@@ -58,24 +59,24 @@ struct TmaConfig {
 
 // Byte offset of 16-byte chunk c of row `row` in a swizzled tile of LPR 128-byte lines a row.
 template <int LPR>
-__device__ __forceinline__ uint32_t swizzled(int row, int c) {
+__host__ __device__ __forceinline__ constexpr uint32_t swizzled(int row, int c) {
   const int line = row * LPR + (c >> 3);
   return static_cast<uint32_t>(line * 128 + (((c & 7) ^ (line & 7)) << 4));
 }
 // The 16-byte head-dim chunk thread t reads in QK step c (32 dims a step), for Q and K.
 template <int D>
-__device__ __forceinline__ int qk_chunk(int c, int t) {
+__host__ __device__ __forceinline__ constexpr int qk_chunk(int c, int t) {
   if constexpr (D == 128) return (c & 1) * 2 + (c >> 1) * 8 + (t & 1) + (t >> 1) * 4;
   return 4 * c + t;
 }
 // The 16-byte dv chunk thread row g reads in PV step c (64 dv a step); its dv are 8x that.
 template <int DV>
-__device__ __forceinline__ int pv_chunk(int c, int g) {
+__host__ __device__ __forceinline__ constexpr int pv_chunk(int c, int g) {
   if constexpr (DV == 128) return 8 * c + g;
   return (g >> 1) | ((g & 1) << 2);
 }
 // The smem row (key j0 + row) behind mma key index k = 8a + 2t + b of a 16-key tile.
-__device__ __forceinline__ int key_row(int k) {
+__host__ __device__ __forceinline__ constexpr int key_row(int k) {
   const int a = k >> 3, t = (k >> 1) & 3, b = k & 1;
   return 4 * (2 * a + b) + (t ^ b);
 }
