@@ -178,6 +178,13 @@ bool tma_mappable(const SdpaParams& p, int box_keys) {
                         &maps) == cudaSuccess;
 }
 
+// The default variant request without decode_tma_kernel (its fallback).
+KernelVariant tc_fallback() {
+  KernelVariant v;
+  v.prefetch = -1;
+  return v;
+}
+
 size_t pad_ws(size_t bytes) {
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
 }
@@ -327,8 +334,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   if (k.variant.tma && !tma_ok) {
-    want = KernelVariant{};
-    want.prefetch = -1;
+    want = tc_fallback();
     k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
     if (k.func == nullptr) return cudaErrorInvalidValue;
   }
@@ -346,6 +352,14 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   int occ = 1;
   e = occupancy(k, device, &occ);
   if (e != cudaSuccess) return e;
+  if (k.variant.tma) {
+    // launch() runs decode_tc_kernel instead should the real K / V pointers not map (the
+    // trial above used an aligned stand-in): raise its smem limit now, while we may.
+    int unused = 0;
+    e = occupancy(select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, tc_fallback()), device,
+                  &unused);
+    if (e != cudaSuccess) return e;
+  }
   plan->rows_per_block = rb;
   plan->row_chunks = static_cast<int>((R + rb - 1) / rb);
   plan->blocks_per_sm = occ;
@@ -485,6 +499,14 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
 
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
   cudaError_t e = k.launch(a, grid, k.threads, k.smem, stream);
+  if (e == cudaErrorNotSupported && k.variant.tma) {
+    // The tensor maps refused these pointers (not 16-byte aligned): decode_tc_kernel
+    // serves the same plan (any split count; the workspace depends on the count only).
+    KernelInfo tc = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
+                                  tc_fallback());
+    if (tc.func == nullptr) return cudaErrorInvalidValue;
+    e = tc.launch(a, grid, tc.threads, tc.smem, stream);
+  }
   if (e != cudaSuccess) return e;
   if (plan.num_splits > 1 && !plan.fused_combine) {
     // kCombineLanes threads per (row, 4 dv) item, 128 threads a block.
