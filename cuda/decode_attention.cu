@@ -312,19 +312,22 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
-  // decode_tma_kernel needs sm_90+ and K / V strides a tensor map can describe.
-  const bool tma_ok = f.cc_major >= 9 && p.dtype != DType::kF32 && tma_mappable(p, 64);
-  // Default at 16-bit D = Dv = 128 where it can run (JAX_SDPA_CUDA_DECODE_TMA=off: never).
-  // H200, GB/s, decode_tc_kernel -> TMA (results/gpu_decode_sweep_20261130T1514.json):
+  // decode_tma_kernel: the default at 16-bit D = Dv = 128 with 8 rows a block where it can
+  // run (sm_90+, K / V strides a tensor map can describe; JAX_SDPA_CUDA_DECODE_TMA=off:
+  // never). H200, GB/s, decode_tc_kernel -> TMA (results/gpu_decode_sweep_20261130T1514):
   // B8 H32/KV8 Lk8192 3323 -> 3592 (W8 S2), B1 Lk32768 2784 -> 2965 (W8 S2), B64 Lk2048
-  // 3661 -> 4006 (W4 S2: three blocks an SM beat W8's one once the units fill the SMs).
+  // 3661 -> 4006 (W4 S2: two blocks an SM beat W8's one once the units fill the SMs). At 16
+  // rows a block (R 64, B8 Lk4096) it took 174.6 us where cuDNN took 113.2
+  // (results/gpu_decode_crossover_20261130T1522.json; decode_tc_kernel was within 1.06x of
+  // cuDNN there, _T1344): so not there.
   const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
   const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
-  const bool default_want = want == KernelVariant{0, 0, -1, false, false};
-  // Only at 8 rows a block: at 16 (R 64, B8 Lk4096) it was slower than decode_tc_kernel
-  // (174.6 vs ~120 us, results/gpu_decode_crossover_20261130T1522.json).
-  if (default_want && !tma_off && tma_ok && rb == 8 && p.head_dim == 128 &&
-      p.head_dim_v == 128) {
+  const bool tma_default = want == KernelVariant{0, 0, -1, false, false} && !tma_off &&
+                           rb == 8 && p.dtype != DType::kF32 && p.head_dim == 128 &&
+                           p.head_dim_v == 128;
+  const bool tma_ok = (want.tma || tma_default) && f.cc_major >= 9 &&
+                      p.dtype != DType::kF32 && tma_mappable(p, 64);
+  if (tma_default && tma_ok) {
     const int64_t units0 = p.batch * p.heads_kv * ((R + rb - 1) / rb);
     want.tma = true;
     want.warps = units0 >= f.sms ? 4 : 8;
