@@ -413,7 +413,8 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM smem %zu "
+                  "dtype%d -> %s%sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
+                  "smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),

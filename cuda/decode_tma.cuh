@@ -1,7 +1,9 @@
-// Decode kernel fed by TMA (sm_90+; bf16 / fp16, D = Dv in {64, 128}).
+// Decode kernel fed by TMA (sm_90+; bf16 / fp16; the template takes D, Dv in {64, 128},
+// built for D = Dv = 128: decode_attention_kernels.h).
 //
 // Why: decode_tc_kernel's warps each issue their own 16-byte cp.async copies; on the
-// H200 it streams at 73% of DRAM peak where cuDNN reaches 85% (docs/cuda_decode.md).
+// H200 it streams at 73% of DRAM peak where cuDNN reaches 85%, this kernel at 79-80%
+// (docs/cuda_decode.md).
 // Here one producer thread moves whole K / V tiles with one TMA copy each (a 5-D
 // tensor map: 64 elements x D/64 chunks x kv head x key x batch, dims ordered by
 // stride) into an S-deep ring of block-wide stages, so many bytes are in flight at
@@ -42,7 +44,8 @@ struct TmaMaps {
 
 template <typename T, int D, int DV, int NT, int W, int S>
 struct TmaConfig {
-  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128), "TMA decode: D, Dv in {64, 128}");
+  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
+                "TMA decode: D, Dv in {64, 128}");
   static_assert(S >= 2, "TMA decode: the ring needs a stage in flight");
   static constexpr int kKeys = kTileKeys * W;  // keys a stage
   static constexpr int kThreads = (W + 1) * 32;  // + the producer warp
@@ -175,7 +178,8 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
     for (int c = 0; c < NKC; ++c) {
       const int d = qk_chunk<D>(c, t) * EPV;
       qa[c] = *reinterpret_cast<const uint4*>(Qs + g * D + d);
-      qb[c] = NT == 2 ? *reinterpret_cast<const uint4*>(Qs + (g + 8) * D + d) : make_uint4(0, 0, 0, 0);
+      qb[c] = NT == 2 ? *reinterpret_cast<const uint4*>(Qs + (g + 8) * D + d)
+                      : make_uint4(0, 0, 0, 0);
     }
     const int krow0 = key_row(g), krow1 = key_row(g + 8);
     const int vrow0 = key_row(2 * t), vrow1 = key_row(2 * t + 1);

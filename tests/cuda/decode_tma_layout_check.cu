@@ -86,8 +86,8 @@ int main() {
     std::set<unsigned> seen;
     for (int c = 0; c < 16; ++c) {
       const unsigned off = swizzled<2>(row, c);
-      CHECK(off / 128 == static_cast<unsigned>(row * 2 + c / 8), "swizzled<2>(%d, %d) left its line",
-            row, c);
+      CHECK(off / 128 == static_cast<unsigned>(row * 2 + c / 8),
+            "swizzled<2>(%d, %d) left its line", row, c);
       seen.insert(off);
     }
     CHECK(seen.size() == 16, "swizzled<2> is not a bijection on row %d", row);
