@@ -436,11 +436,13 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
 # WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}); TMA = W,S of
 # decode_tma_kernel (16-bit D = Dv = 128, sm_90+, the default there; "off": never);
-# TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128, 256); MIN_SPLIT_KB = least K+V
+# TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128, 256); PDL=1 = it and its combine
+# kernel as programmatic dependent launches (experiment); MIN_SPLIT_KB = least K+V
 # bytes a split; SPLITS pins the split count; COMBINE picks the split-K merge.
 # {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D). (Earlier sweeps' LOCKSTEP, 129,
 # 130, TMA MODE 1 / 2 were experiments since removed: docs/cuda_decode.md.)
-_TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "4,2"}]
+_TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "4,2"}, {"PDL": "1"},
+        {"PDL": "1", "COMBINE": "kernel"}, {"COMBINE": "kernel"}]
 SWEEP = [
     (BENCH_ROWS[0], _TMA),
     (BENCH_ROWS[1], _TMA),
@@ -449,7 +451,7 @@ SWEEP = [
     (BENCH_ROWS[3], [{}, {"SPLITS": "16"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "TMA", "TMA_L2",
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "TMA", "TMA_L2", "PDL",
                "MIN_SPLIT_KB")
 
 

@@ -82,8 +82,9 @@ if has shared; then
 fi
 
 # The decode pieces (decode = decode_check + decode_bench). decode_check runs the check
-# again under each knob setting in DECODE_CHECK_KNOBS, e.g. "L2=132 WIDE=4,4 TMA=4,2 TMA=off"
-# (JAX_SDPA_CUDA_DECODE_<setting>: the kernel variants of docs/cuda_decode.md).
+# again under each knob setting in DECODE_CHECK_KNOBS, e.g. "L2=132 WIDE=4,4 TMA=off
+# PDL=1+COMBINE=kernel" (JAX_SDPA_CUDA_DECODE_<setting>, '+' joins settings of one run:
+# the kernel variants of docs/cuda_decode.md).
 if has api; then
   say "public API smoke: one call + grad per GPU implementation"
   (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_api_smoke.py 2>&1 | tail -8) || rc=1
@@ -94,7 +95,7 @@ if has decode_check; then
      --out "$OUT" 2>&1 | tail -6) || rc=1
   for knob in ${DECODE_CHECK_KNOBS:-}; do
     say "decode check, JAX_SDPA_CUDA_DECODE_$knob"
-    (cd /tmp && env "JAX_SDPA_CUDA_DECODE_$knob" timeout 150 python3 -P \
+    (cd /tmp && env $(echo "$knob" | tr '+' '\n' | sed 's/^/JAX_SDPA_CUDA_DECODE_/') timeout 150 python3 -P \
        $repo/benchmarks/gpu_decode.py --module --only check --out /tmp 2>&1 \
        | grep -E "^FAIL|^ERR|check:" | tail -12) || rc=1
   done

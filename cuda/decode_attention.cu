@@ -297,6 +297,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
       want.stages = st;
     }
   }
+  want.pdl = env_int("JAX_SDPA_CUDA_DECODE_PDL", 0) != 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
     int nw = 0, st = 0;
     if (std::sscanf(v, "%d,%d", &nw, &st) == 2) {
@@ -322,7 +323,10 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // cuDNN there, _T1344): so not there.
   const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
   const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
-  const bool tma_default = want == KernelVariant{0, 0, -1, false, false} && !tma_off &&
+  KernelVariant plain;  // the default request (PDL aside)
+  plain.prefetch = -1;
+  plain.pdl = want.pdl;
+  const bool tma_default = want == plain && !tma_off &&
                            rb == 8 && p.dtype != DType::kF32 && p.head_dim == 128 &&
                            p.head_dim_v == 128;
   const bool tma_ok = (want.tma || tma_default) && f.cc_major >= 9 &&
@@ -413,14 +417,15 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
+                  "dtype%d -> %s%s%sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
                   "smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
-                  k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "", k.variant.warps,
+                  k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "",
+                  k.variant.pdl ? "pdl " : "", k.variant.warps,
                   k.variant.stages, k.variant.prefetch, rb, plan->row_chunks,
                   n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,

@@ -53,9 +53,11 @@ struct KernelVariant {
                               // or 128 + kEvictFirst (132)
   bool wide = false;          // decode_wide_kernel: the warps split the head dims
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
+  bool pdl = false;           // decode_tma_kernel and its combine as programmatic dependent
+                              // launches (experiment)
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           tma == o.tma;
+           tma == o.tma && pdl == o.pdl;
   }
 };
 
@@ -89,8 +91,13 @@ std::string unsupported_reason(const SdpaParams& p);
 //                                     128; 132: 128 with the lines marked evict-first)
 //   JAX_SDPA_CUDA_DECODE_WIDE=NW,S    the wide-head kernel (D = Dv in {256, 512}, <= 8 rows
 //                                     a block): NW warps splitting the head dims, S stages
-//   JAX_SDPA_CUDA_DECODE_TMA=W,S      decode_tma_kernel (sm_90+, 16-bit D = Dv = 128): W
-//                                     consumer warps, S stages of 16 W keys; 0,0: off
+//   JAX_SDPA_CUDA_DECODE_TMA=W,S|off  decode_tma_kernel (sm_90+, 16-bit D = Dv = 128; the
+//                                     default there): W consumer warps, S stages of 16 W
+//                                     keys; off: never
+//   JAX_SDPA_CUDA_DECODE_TMA_L2=n     its tensor maps' L2 fetch bytes (0, 64, 128, 256)
+//   JAX_SDPA_CUDA_DECODE_PDL=1        decode_tma_kernel (W8 S2 / W4 S2, 8 rows a block) and
+//                                     its combine kernel as programmatic dependent launches
+//                                     (experiment, not yet run)
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

@@ -114,29 +114,57 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
                            int box_keys, TmaMaps* maps);
 
-template <typename T, int D, int DV, int NT, int W, int S>
+// A launch configuration that lets the kernel start while the previous one on the stream
+// drains (programmatic stream serialization; the kernel waits with griddepcontrol.wait).
+struct PdlLaunch {
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg{};
+  PdlLaunch(dim3 grid, int threads, size_t smem, cudaStream_t st) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+};
+
+template <typename T, int DV>
+void launch_combine_pdl(const Args& a, dim3 grid, cudaStream_t st) {
+  PdlLaunch l(grid, 128, 0, st);
+  cudaLaunchKernelEx(&l.cfg, combine_kernel<T, DV, true>, a);
+}
+
+template <typename T, int D, int DV, int NT, int W, int S, bool PDL>
 cudaError_t launch_tma(const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
   TmaMaps maps;
   cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
                                  std::is_same<T, __nv_bfloat16>::value, D, DV,
                                  TmaConfig<T, D, DV, NT, W, S>::kKeys, &maps);
   if (e != cudaSuccess) return e;
-  decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
-  return cudaGetLastError();
+  if constexpr (PDL) {
+    PdlLaunch l(grid, threads, smem, st);
+    return cudaLaunchKernelEx(&l.cfg, decode_tma_kernel<T, D, DV, NT, W, S, true>, a, maps);
+  } else {
+    decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
+    return cudaGetLastError();
+  }
 }
 
-template <typename T, int D, int DV, int NT, int W, int S>
+template <typename T, int D, int DV, int NT, int W, int S, bool PDL = false>
 KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
   KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S>);
-  k.launch = &launch_tma<T, D, DV, NT, W, S>;
-  k.combine = &launch_combine<T, DV>;
+  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S, PDL>);
+  k.launch = &launch_tma<T, D, DV, NT, W, S, PDL>;
+  k.combine = PDL ? &launch_combine_pdl<T, DV> : &launch_combine<T, DV>;
   k.threads = Cfg::kThreads;
   k.smem = Cfg::kSmem;
   k.tensor_cores = true;
-  k.variant = KernelVariant{W, S, 0, false, true};
+  k.variant = KernelVariant{W, S, 0, false, true, PDL};
   return k;
 }
 
@@ -144,7 +172,11 @@ KernelInfo tma_info() {
 // (KB of smem / blocks per SM: W4 S2 66/3, W4 S3 99/2, W4 S4 132/1, W4 S6 197/1, W8 S2
 // 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built.
 template <typename T, int D, int DV, int NT>
-KernelInfo tma_select(int w, int s) {
+KernelInfo tma_select(int w, int s, bool pdl) {
+  if constexpr (D == 128 && DV == 128 && NT == 1) {  // PDL experiment: the two defaults
+    if (pdl && w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2, true>();
+    if (pdl && w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, true>();
+  }
   if constexpr (D == 128 && DV == 128) {
     if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2>();
     if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3>();
@@ -185,7 +217,7 @@ KernelInfo tc_select(const KernelVariant& want) {
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
   if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
-    KernelInfo k = tma_select<T, D, DV, NT>(w, s);
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.pdl);
     if (k.func != nullptr) return k;
     w = s = 0;
   }
