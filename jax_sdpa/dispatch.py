@@ -209,7 +209,12 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
     if dims not in CUDA_DECODE_HEAD_DIMS:
         return _no(f"the decode kernel is built for head dims (D, Dv) in "
                    f"{sorted(CUDA_DECODE_HEAD_DIMS)}, not {dims}")
-    return _ok("our decode kernel (split-K over the kv cache; fp32 exact)")
+    if cfg.dtype == np.dtype(np.float32):
+        return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA cores)")
+    if dims == (128, 128) and cfg.group * cfg.len_q <= 8:
+        return _ok("our decode kernel (split-K over the kv cache; tensor cores, K/V fed by TMA "
+                   "on sm_90+, cuda/decode_tma.cuh)")
+    return _ok("our decode kernel (split-K over the kv cache; tensor cores)")
 
 
 # The decode kernel's FFI target (forward only) and the flash kernels' targets.

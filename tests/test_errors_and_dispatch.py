@@ -246,6 +246,18 @@ def test_cuda_serves_with_the_right_kernel(fake_h200, kwargs, direction, kernel)
     assert dispatch.choose(cfg, "cuda", direction, "cuda") == "cuda"
 
 
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=128), "fed by TMA"),
+    (dict(dtype="float16", b=1, hq=16, hk=2, lq=1, lk=512, d=128), "fed by TMA"),  # 8 rows
+    (dict(dtype="bfloat16", b=1, hq=16, hk=1, lq=1, lk=512, d=128), "tensor cores)"),  # 16 rows
+    (dict(dtype="bfloat16", b=1, hq=8, hk=2, lq=1, lk=512, d=256), "tensor cores)"),
+    (dict(b=1, hq=8, hk=2, lq=1, lk=512, d=128), "CUDA cores"),  # fp32
+])
+def test_cuda_decode_explains_which_kernel(fake_h200, kwargs, says):
+    ok, why = fake_h200.cuda_decode_serves(_cfg(**kwargs), "fwd")
+    assert ok and says in why, why
+
+
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(d=36), "multiples of 8"),
     (dict(d=64, dv=20), "multiples of 8"),
