@@ -363,27 +363,76 @@ __device__ __forceinline__ void split_range(const Args& a, int b, int kvh, int r
   if (*ks1 < *ks0) *ks1 = *ks0;
 }
 
+// What a block owns (work decomposition at the top of this file): batch b, kv head kvh,
+// its rows' first row r0 (RB rows a block), the key split, and the batch row's lengths.
+// The split's keys come from split_range.
+struct BlockWork {
+  int b, kvh, r0, split, qlen, kvlen;
+};
+__device__ __forceinline__ BlockWork block_work(const Args& a, int RB) {
+  BlockWork wk;
+  const int rc = blockIdx.x % a.row_chunks;
+  const int bk = blockIdx.x / a.row_chunks;
+  wk.kvh = bk % a.Hk;
+  wk.b = bk / a.Hk;
+  wk.split = blockIdx.y;
+  wk.qlen = static_cast<int>(clamp_length(a.qlen, wk.b, a.Lq));
+  wk.kvlen = static_cast<int>(clamp_length(a.kvlen, wk.b, a.Lk));
+  wk.r0 = rc * RB;
+  return wk;
+}
+
+// The block's query rows r0 .. r0 + NROWS - 1 -> smem rows of QP elements (zeros past
+// the RB rows of the block or the R rows of the group), 16 bytes a thread and step.
+template <typename T, int D, int QP, int NROWS, int RB, int NTHR>
+__device__ __forceinline__ void load_q_rows(T* Qs, const Args& a, int b, int kvh, int r0,
+                                            int tid) {
+  constexpr int EPV = 16 / sizeof(T);
+  constexpr int QC = D / EPV;
+  for (int idx = tid; idx < NROWS * QC; idx += NTHR) {
+    const int rr = idx / QC, c = idx - rr * QC;
+    const int r = r0 + rr;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (rr < RB && r < a.R) {
+      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const T* src =
+          reinterpret_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + c * EPV;
+      val = *reinterpret_cast<const uint4*>(src);
+    }
+    *reinterpret_cast<uint4*>(Qs + rr * QP + c * EPV) = val;
+  }
+}
+
 // Copies 16 rows (keys j0..j0+15) of C 16-byte chunks each into smem rows of P
-// elements; rows >= jend are zero-filled (never read: a fixed-size cache may hold
-// garbage past its length). When a warp's 32 lanes tile whole rows (32 % C == 0) or
-// a row is whole warps (C % 32 == 0), each lane keeps one source pointer and steps it
-// by a constant: a few instructions per 16-byte copy instead of an index division and
-// a 64-bit multiply each.
+// elements with NTHR threads that tile whole rows (NTHR % C == 0: NTHR / C keys a step);
+// rows >= jend are zero-filled (never read: a fixed-size cache may hold garbage past its
+// length). Each thread keeps one source pointer and steps it by a constant: a few
+// instructions per 16-byte copy instead of an index division and a 64-bit multiply each.
+template <typename T, int C, int P, int PF, int NTHR>
+__device__ __forceinline__ void load_rows_by(T* dst, const T* base, int64_t st, int j0, int jend,
+                                             int tid) {
+  constexpr int EPV = 16 / sizeof(T);
+  static_assert(NTHR % C == 0 && kTileKeys % (NTHR / C) == 0, "decode: copy shape");
+  constexpr int KPI = NTHR / C;
+  const int key0 = tid / C, c = tid % C;
+  const T* src = base + static_cast<int64_t>(j0 + key0) * st + c * EPV;
+  T* d = dst + key0 * P + c * EPV;
+#pragma unroll
+  for (int m = 0; m < kTileKeys / KPI; ++m) {
+    const bool ok = j0 + key0 + m * KPI < jend;
+    cp_async16_l2<PF>(d + m * KPI * P, ok ? src : base, ok);
+    src += KPI * st;
+  }
+}
+
+// The same with one warp: load_rows_by when its 32 lanes tile whole rows (32 % C == 0);
+// when a row is whole warps (C % 32 == 0) each lane steps its pointer key by key.
 template <typename T, int C, int P, int PF>
 __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int j0, int jend,
                                           int lane) {
   constexpr int EPV = 16 / sizeof(T);
   if constexpr (32 % C == 0) {
-    constexpr int KPI = 32 / C;  // keys per warp-wide step
-    const int key0 = lane / C, c = lane % C;
-    const T* src = base + static_cast<int64_t>(j0 + key0) * st + c * EPV;
-    T* d = dst + key0 * P + c * EPV;
-#pragma unroll
-    for (int m = 0; m < kTileKeys / KPI; ++m) {
-      const bool ok = j0 + key0 + m * KPI < jend;
-      cp_async16_l2<PF>(d + m * KPI * P, ok ? src : base, ok);
-      src += KPI * st;
-    }
+    load_rows_by<T, C, P, PF, 32>(dst, base, st, j0, jend, lane);
   } else if constexpr (C % 32 == 0) {
     const T* src = base + static_cast<int64_t>(j0) * st + lane * EPV;
     T* d = dst + lane * EPV;
@@ -603,21 +652,15 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
   constexpr int RB = NT * 8;
   constexpr int NVC = (DV + 63) / 64;  // 64-wide dv chunks (PV)
-  constexpr int EPV = 16 / sizeof(T);
   extern __shared__ __align__(16) unsigned char smem[];
   T* Qs = reinterpret_cast<T*>(smem);  // [16][DP]
   T* ring = reinterpret_cast<T*>(smem + Cfg::kQBytes);
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int rc = blockIdx.x % a.row_chunks;
-  const int bk = blockIdx.x / a.row_chunks;
-  const int kvh = bk % a.Hk, b = bk / a.Hk;
-  const int split = blockIdx.y;
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int r0 = rc * RB;
-
+  const BlockWork wk = block_work(a, RB);
+  const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
+  const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
@@ -637,21 +680,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   }
 
   // Q rows of the block -> smem (zeros past the group / chunk).
-  {
-    constexpr int QC = D / EPV;
-    for (int idx = tid; idx < 16 * QC; idx += Cfg::kThreads) {
-      const int rr = idx / QC, c = idx - rr * QC;
-      const int r = r0 + rr;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (rr < RB && r < a.R) {
-        const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
-        const T* src =
-            reinterpret_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + c * EPV;
-        val = *reinterpret_cast<const uint4*>(src);
-      }
-      *reinterpret_cast<uint4*>(Qs + rr * DP + c * EPV) = val;
-    }
-  }
+  load_q_rows<T, D, DP, 16, RB, Cfg::kThreads>(Qs, a, b, kvh, r0, tid);
   __syncthreads();
 
   const RowInfo rowA = row_info(a, b, kvh, r0 + g, qlen, kvlen);
@@ -793,14 +822,9 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int kk = lane & 15, half = lane >> 4;
-  const int rc = blockIdx.x % a.row_chunks;
-  const int bk = blockIdx.x / a.row_chunks;
-  const int kvh = bk % a.Hk, b = bk / a.Hk;
-  const int split = blockIdx.y;
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int r0 = rc * RB;
-
+  const BlockWork wk = block_work(a, RB);
+  const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
+  const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;

@@ -114,14 +114,9 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   }
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int rc = blockIdx.x % a.row_chunks;
-  const int bk = blockIdx.x / a.row_chunks;
-  const int kvh = bk % a.Hk, b = bk / a.Hk;
-  const int split = blockIdx.y;
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int r0 = rc * RB;
-
+  const BlockWork wk = block_work(a, RB);
+  const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
+  const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range<TK>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
@@ -134,20 +129,8 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
     }
     mbar_init_fence();
   }
-  if (w < W) {  // Q rows of the block -> smem (zeros past the group / chunk)
-    constexpr int QC = D / EPV;
-    for (int idx = tid; idx < 16 * QC; idx += W * 32) {
-      const int rr = idx / QC, c = idx - rr * QC;
-      const int r = r0 + rr;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (rr < RB && r < a.R) {
-        const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
-        val = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(a.q) + b * a.qs[0] +
-                                              h * a.qs[1] + i * a.qs[2] + c * EPV);
-      }
-      *reinterpret_cast<uint4*>(Qs + rr * D + c * EPV) = val;
-    }
-  }
+  // Q rows of the block -> smem (zeros past the group / chunk), by the consumer warps.
+  if (w < W) load_q_rows<T, D, D, 16, RB, W * 32>(Qs, a, b, kvh, r0, tid);
   __syncthreads();
 
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;

@@ -38,25 +38,6 @@ struct WideConfig {
   static constexpr size_t kSmem = kQBytes + kScoreBytes + kRingBytes;
 };
 
-// Copies 16 rows (keys j0..j0+15) of C 16-byte chunks with all NTHR threads of the
-// block (rows >= jend zero-filled, never read); NTHR / C keys a step, one pointer a thread.
-template <typename T, int C, int P, int PF, int NTHR>
-__device__ __forceinline__ void load_rows_block(T* dst, const T* base, int64_t st, int j0,
-                                                int jend, int tid) {
-  constexpr int EPV = 16 / sizeof(T);
-  static_assert(NTHR % C == 0 && kTileKeys % (NTHR / C) == 0, "wide decode: copy shape");
-  constexpr int KPI = NTHR / C;
-  const int key0 = tid / C, c = tid % C;
-  const T* src = base + static_cast<int64_t>(j0 + key0) * st + c * EPV;
-  T* d = dst + key0 * P + c * EPV;
-#pragma unroll
-  for (int m = 0; m < kTileKeys / KPI; ++m) {
-    const bool ok = j0 + key0 + m * KPI < jend;
-    cp_async16_l2<PF>(d + m * KPI * P, ok ? src : base, ok);
-    src += KPI * st;
-  }
-}
-
 template <typename T, int D, int DV, int NW, int S, int PF>
 __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
   using Cfg = WideConfig<T, D, DV, NW, S>;
@@ -72,14 +53,9 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int rc = blockIdx.x % a.row_chunks;
-  const int bk = blockIdx.x / a.row_chunks;
-  const int kvh = bk % a.Hk, b = bk / a.Hk;
-  const int split = blockIdx.y;
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int r0 = rc * RB;
-
+  const BlockWork wk = block_work(a, RB);
+  const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
+  const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
@@ -88,8 +64,8 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
   auto load = [&](int tile) {
     T* st = ring + (tile % S) * STAGE;
     const int j0 = ks0 + tile * kTileKeys;
-    load_rows_block<T, D / EPV, DP, PF, NTHR>(st, kbase, a.ks[2], j0, ks1, tid);
-    load_rows_block<T, DV / EPV, DVP, PF, NTHR>(st + kTileKeys * DP, vbase, a.vs[2], j0, ks1,
+    load_rows_by<T, D / EPV, DP, PF, NTHR>(st, kbase, a.ks[2], j0, ks1, tid);
+    load_rows_by<T, DV / EPV, DVP, PF, NTHR>(st + kTileKeys * DP, vbase, a.vs[2], j0, ks1,
                                                  tid);
   };
 #pragma unroll
@@ -98,20 +74,8 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
     cp_async_commit();
   }
 
-  {  // Q rows of the block -> smem (zeros past the group); read after the loop's barrier
-    constexpr int QC = D / EPV;
-    for (int idx = tid; idx < RB * QC; idx += NTHR) {
-      const int rr = idx / QC, c = idx - rr * QC;
-      const int r = r0 + rr;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < a.R) {
-        const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
-        val = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(a.q) + b * a.qs[0] +
-                                              h * a.qs[1] + i * a.qs[2] + c * EPV);
-      }
-      *reinterpret_cast<uint4*>(Qs + rr * DP + c * EPV) = val;
-    }
-  }
+  // Q rows of the block -> smem (zeros past the group); read after the loop's barrier.
+  load_q_rows<T, D, DP, RB, RB, NTHR>(Qs, a, b, kvh, r0, tid);
 
   const RowInfo row = row_info(a, b, kvh, r0 + g, qlen, kvlen);
   float m_run = -INFINITY, l_run = 0.f;
