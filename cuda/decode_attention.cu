@@ -178,8 +178,9 @@ bool tma_mappable(const SdpaParams& p, int box_keys) {
                         &maps) == cudaSuccess;
 }
 
-// The default variant request without decode_tma_kernel (its fallback).
-KernelVariant tc_fallback() {
+// The request with no knob set. Without the TMA default applied (make_plan): also what
+// runs where decode_tma_kernel can't.
+KernelVariant default_request() {
   KernelVariant v;
   v.prefetch = -1;
   return v;
@@ -323,8 +324,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // cuDNN there, _T1344): so not there.
   const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
   const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
-  KernelVariant plain;  // the default request (PDL aside)
-  plain.prefetch = -1;
+  KernelVariant plain = default_request();  // (PDL aside)
   plain.pdl = want.pdl;
   const bool tma_default = want == plain && !tma_off &&
                            rb == 8 && p.dtype != DType::kF32 && p.head_dim == 128 &&
@@ -341,7 +341,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   if (k.variant.tma && !tma_ok) {
-    want = tc_fallback();
+    want = default_request();
     k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
     if (k.func == nullptr) return cudaErrorInvalidValue;
   }
@@ -363,7 +363,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     // launch() runs decode_tc_kernel instead should the real K / V pointers not map (the
     // trial above used an aligned stand-in): raise its smem limit now, while we may.
     int unused = 0;
-    e = occupancy(select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, tc_fallback()), device,
+    e = occupancy(select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, default_request()), device,
                   &unused);
     if (e != cudaSuccess) return e;
   }
@@ -512,7 +512,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
     // The tensor maps refused these pointers (not 16-byte aligned): decode_tc_kernel
     // serves the same plan (any split count; the workspace depends on the count only).
     KernelInfo tc = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
-                                  tc_fallback());
+                                  default_request());
     if (tc.func == nullptr) return cudaErrorInvalidValue;
     e = tc.launch(a, grid, tc.threads, tc.smem, stream);
   }

@@ -35,15 +35,19 @@ static int conflict_degree(const unsigned (&addr)[32]) {
   return worst;
 }
 
+// Is `seen` exactly {0, ..., n - 1}?
+static bool covers(const std::set<int>& seen, int n) {
+  return static_cast<int>(seen.size()) == n && *seen.begin() == 0 && *seen.rbegin() == n - 1;
+}
+
 template <int D>
 static void check_qk() {
   constexpr int LPR = D / 64, NKC = D / 32;
   std::set<int> chunks;
   for (int c = 0; c < NKC; ++c)
     for (int t = 0; t < 4; ++t) chunks.insert(qk_chunk<D>(c, t));
-  CHECK(static_cast<int>(chunks.size()) == D / 8 && *chunks.begin() == 0 &&
-            *chunks.rbegin() == D / 8 - 1,
-        "qk_chunk<%d> is not a bijection onto the row's %d chunks", D, D / 8);
+  CHECK(covers(chunks, D / 8), "qk_chunk<%d> is not a bijection onto the row's %d chunks", D,
+        D / 8);
   for (int c = 0; c < NKC; ++c)
     for (int ntile = 0; ntile < 2; ++ntile) {
       unsigned addr[32];
@@ -61,9 +65,8 @@ static void check_pv() {
   std::set<int> chunks;
   for (int c = 0; c < NVC; ++c)
     for (int g = 0; g < 8; ++g) chunks.insert(pv_chunk<DV>(c, g));
-  CHECK(static_cast<int>(chunks.size()) == DV / 8 && *chunks.begin() == 0 &&
-            *chunks.rbegin() == DV / 8 - 1,
-        "pv_chunk<%d> is not a bijection onto the row's %d chunks", DV, DV / 8);
+  CHECK(covers(chunks, DV / 8), "pv_chunk<%d> is not a bijection onto the row's %d chunks", DV,
+        DV / 8);
   const int keys[4] = {0, 1, 8, 9};  // v0..v3: mma keys 2t + {0, 1, 8, 9}
   for (int c = 0; c < NVC; ++c)
     for (int kk : keys) {
@@ -79,8 +82,7 @@ static void check_pv() {
 int main() {
   std::set<int> rows;
   for (int k = 0; k < 16; ++k) rows.insert(key_row(k));
-  CHECK(rows.size() == 16 && *rows.begin() == 0 && *rows.rbegin() == 15,
-        "key_row is not a permutation of the 16 rows of a tile");
+  CHECK(covers(rows, 16), "key_row is not a permutation of the 16 rows of a tile");
   // The swizzle keeps a chunk inside its 128-byte line and is a bijection on a line.
   for (int row = 0; row < 16; ++row) {
     std::set<unsigned> seen;
