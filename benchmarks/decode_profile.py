@@ -32,8 +32,8 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 VARIANTS = {  # knob settings (JAX_SDPA_CUDA_DECODE_*) timed per row besides the default
     0: [{}],
     1: [{}],
-    2: [{}, {"CFG": "4,1"}],  # the wide kernel (default) and the per-warp-tile one
-    3: [{}],
+    2: [{}, {"WIDE_TMA": "off"}],  # the wide kernel fed by TMA (default) and by cp.async
+    3: [{}, {"WIDE_TMA": "off"}],
     4: [{}],
 }
 

@@ -162,6 +162,28 @@ def _cases():
             dict(name=f"{dt} D256 MQA Lq2 G8 (16 rows) causal", dt=dt, B=2, Hq=8, Hk=1, Lq=2,
                  Lk=900, D=256, Dv=256, wr=0),
         ]
+    # D512 at 16 bits (the wide kernels; decode_wide_tma_kernel on sm_90+): the features.
+    for dt in ("bf16", "fp16"):
+        c = lambda **kw: dict(dt=dt, D=512, Dv=512, **kw)  # noqa: E731
+        cases += [
+            c(name=f"{dt} D512 Lq2 G4 causal-br qlen kvlen", B=3, Hq=8, Hk=2, Lq=2, Lk=700,
+              wr=0, kvlen="rand", qlen="rand"),
+            c(name=f"{dt} D512 Lq3 G4 causal top-left (2 row chunks)", B=2, Hq=8, Hk=2, Lq=3,
+              Lk=300, wr=0, bottom_right=False),
+            c(name=f"{dt} D512 bool mask [B,1,Lq,Lk] + empty row", B=2, Hq=8, Hk=2, Lq=2,
+              Lk=450, mask="bool_b1"),
+            c(name=f"{dt} D512 additive bf16 mask full with -inf", B=2, Hq=8, Hk=4, Lq=2,
+              Lk=333, mask="add_bf16_full"),
+            c(name=f"{dt} D512 sinks [B,Hq] + kvlen 0 rows", B=3, Hq=8, Hk=2, Lq=1, Lk=500,
+              sinks="batch", kvlen="zero1"),
+            c(name=f"{dt} D512 window 100 bottom-right", B=2, Hq=8, Hk=2, Lq=2, Lk=1200,
+              wl=100, wr=0),
+            c(name=f"{dt} D512 seq_major kvlen", B=2, Hq=8, Hk=2, Lq=2, Lk=700, seq_major=True,
+              kvlen="rand"),
+            c(name=f"{dt} D512 Lk17 qlen0 row", B=2, Hq=8, Hk=2, Lq=1, Lk=17, qlen="zero1"),
+            c(name=f"{dt} D512 B1 G8 Lk8192 kvlen", B=2, Hq=32, Hk=4, Lq=1, Lk=8192,
+              kvlen="rand"),
+        ]
     return cases
 
 
@@ -434,24 +456,22 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # D512 only, cuda/decode_attention_kernels.h); L2 = its K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
-# WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}); TMA = W,S of
-# decode_tma_kernel (16-bit D = Dv = 128, sm_90+, the default there; "off": never);
-# TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128, 256); PDL=1 = it and its combine
-# kernel as programmatic dependent launches (experiment); MIN_SPLIT_KB = least K+V
-# bytes a split; SPLITS pins the split count; COMBINE picks the split-K merge.
-# {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D). (Earlier sweeps' LOCKSTEP, 129,
-# 130, TMA MODE 1 / 2 were experiments since removed: docs/cuda_decode.md.)
-_TMA = [{}, {"TMA": "off"}, {"TMA": "8,2"}, {"TMA": "4,2"}, {"PDL": "1"},
-        {"PDL": "1", "COMBINE": "kernel"}, {"COMBINE": "kernel"}]
+# WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}); WIDE_TMA = NW,S,KT of
+# decode_wide_tma_kernel (16-bit D = Dv = 512, sm_90+, the default there; D256 built as
+# variants; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+,
+# the default there; "off": never); TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128,
+# 256); MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the split count; COMBINE
+# picks the split-K merge. {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D).
+# (Earlier sweeps' LOCKSTEP, 129, 130, TMA MODE 1 / 2 and PDL were experiments since
+# removed: docs/cuda_decode.md.)
+_WIDE_TMA = [{}, {"WIDE_TMA": "off"}, {"WIDE_TMA": "4,6,1"}, {"WIDE_TMA": "4,6,3"},
+             {"WIDE_TMA": "4,4,2"}, {"WIDE_TMA": "8,6,2"}]
 SWEEP = [
-    (BENCH_ROWS[0], _TMA),
-    (BENCH_ROWS[1], _TMA),
-    (BENCH_ROWS[4], _TMA),
-    (BENCH_ROWS[2], [{}, {"WIDE": "4,4"}]),
-    (BENCH_ROWS[3], [{}, {"SPLITS": "16"}]),
+    (BENCH_ROWS[2], _WIDE_TMA + [{"SPLITS": "16"}]),
+    (BENCH_ROWS[3], _WIDE_TMA + [{"SPLITS": "16"}, {"SPLITS": "8"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "TMA", "TMA_L2", "PDL",
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",
                "MIN_SPLIT_KB")
 
 

@@ -83,7 +83,7 @@ fi
 
 # The decode pieces (decode = decode_check + decode_bench). decode_check runs the check
 # again under each knob setting in DECODE_CHECK_KNOBS, e.g. "L2=132 WIDE=4,4 TMA=off
-# PDL=1+COMBINE=kernel" (JAX_SDPA_CUDA_DECODE_<setting>, '+' joins settings of one run:
+# WIDE_TMA=8,6,2+SPLITS=3" (JAX_SDPA_CUDA_DECODE_<setting>, '+' joins settings of one run:
 # the kernel variants of docs/cuda_decode.md).
 if has api; then
   say "public API smoke: one call + grad per GPU implementation"
@@ -123,21 +123,23 @@ if has decode_profile; then
      | grep -v "^      " | tail -40) || rc=1
 fi
 if has decode_ncu; then
-  # NCU_L2: our kernels under each JAX_SDPA_CUDA_DECODE_L2 setting ("-" = default);
-  # NCU_PEERS: jax.nn implementations profiled beside them (first setting only).
-  say "Nsight Compute: our decode kernel (L2 settings: ${NCU_L2:--}) beside ${NCU_PEERS-cudnn} on rows ${NCU_ROWS:-0} (real clocks)"
+  # NCU_KNOBS: our kernels under each knob setting ("-" = the defaults; '+' joins the
+  # settings of one run, as DECODE_CHECK_KNOBS); NCU_PEERS: jax.nn implementations
+  # profiled beside them (first setting only).
+  say "Nsight Compute: our decode kernel (settings: ${NCU_KNOBS:--}) beside ${NCU_PEERS-cudnn} on rows ${NCU_ROWS:-0} (real clocks)"
   peers=${NCU_PEERS-cudnn}
-  for l2 in ${NCU_L2:--}; do
-    (cd /tmp && { [ "$l2" = "-" ] || export JAX_SDPA_CUDA_DECODE_L2=$l2; } && \
+  for knob in ${NCU_KNOBS:--}; do
+    echo "=== setting $knob" >> "$OUT/decode_ncu.txt"
+    (cd /tmp && env $( [ "$knob" = "-" ] || echo "$knob" | tr '+' '\n' | sed 's/^/JAX_SDPA_CUDA_DECODE_/') \
      timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
-     -k regex:'decode_|flash|sdpa|combine' --section SpeedOfLight --section LaunchStats \
+     -k regex:'decode_|flash|sdpa|combine|gemm|fusion' --section SpeedOfLight --section LaunchStats \
      --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
      --section SchedulerStats python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} \
      --peers "$peers" >> "$OUT/decode_ncu.txt" 2>&1) || rc=1
     peers=""
   done
-  grep -E "^  [a-z_ ]*(void|sdpa|cudnn|flash)|Duration|DRAM Through|L2 Cache Through|L2 Hit|Mem Busy|Issued Warp|Registers Per" \
-     "$OUT/decode_ncu.txt" | head -120
+  grep -E "^=== setting|^  [a-zA-Z_ ]*(void|sdpa|cudnn|flash|gemm|fusion|loop)|Duration|DRAM Through|L2 Hit|Registers Per" \
+     "$OUT/decode_ncu.txt" | head -150
 fi
 if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"

@@ -163,8 +163,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Can decode_tma_kernel map this call's K and V (strides, sizes)? A trial encode.
-bool tma_mappable(const SdpaParams& p, int box_keys) {
+// Can the TMA kernels map this call's K and V (strides, sizes)? A trial encode.
+bool tma_mappable(const SdpaParams& p, int box_keys, bool chunk_boxes) {
   TmaMaps maps;
   int64_t ks[3], vs[3];
   for (int i = 0; i < 3; ++i) {
@@ -175,7 +175,7 @@ bool tma_mappable(const SdpaParams& p, int box_keys) {
   return encode_kv_maps(any, any, ks, vs, static_cast<int>(p.batch), static_cast<int>(p.heads_kv),
                         static_cast<int>(p.len_kv), p.dtype == DType::kBF16,
                         static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v), box_keys,
-                        &maps) == cudaSuccess;
+                        chunk_boxes, &maps) == cudaSuccess;
 }
 
 // The request with no knob set. Without the TMA default applied (make_plan): also what
@@ -206,7 +206,7 @@ WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t un
 
 cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
-                           int box_keys, TmaMaps* maps) {
+                           int box_keys, bool chunk_boxes, TmaMaps* maps) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || d % 64 != 0 || dv % 64 != 0 || box_keys > 256)
     return cudaErrorNotSupported;
@@ -230,7 +230,7 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
     const int esz = 2;
     cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(width / 64), 0, 0, 0};
     cuuint64_t strides[4] = {128, 0, 0, 0};  // bytes, dims 1..4
-    cuuint32_t box[5] = {64, static_cast<cuuint32_t>(width / 64), 1, 1, 1};
+    cuuint32_t box[5] = {64, static_cast<cuuint32_t>(chunk_boxes ? 1 : width / 64), 1, 1, 1};
     const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
     for (int i = 0; i < 3; ++i) {
       const int dim = order[i];
@@ -298,13 +298,22 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
       want.stages = st;
     }
   }
-  want.pdl = env_int("JAX_SDPA_CUDA_DECODE_PDL", 0) != 0;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
     int nw = 0, st = 0;
     if (std::sscanf(v, "%d,%d", &nw, &st) == 2) {
       want.wide = true;
       want.warps = nw;
       want.stages = st;
+    }
+  }
+  const char* wide_tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE_TMA");
+  if (wide_tma_env != nullptr) {
+    int nw = 0, st = 0, kt = 0;
+    if (std::sscanf(wide_tma_env, "%d,%d,%d", &nw, &st, &kt) == 3 && nw > 0 && st > 0) {
+      want.wide = want.tma = true;
+      want.warps = nw;
+      want.stages = st;
+      want.step_tiles = kt;
     }
   }
   const int64_t min_split_bytes =
@@ -324,19 +333,33 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // cuDNN there, _T1344): so not there.
   const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
   const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
-  KernelVariant plain = default_request();  // (PDL aside)
-  plain.pdl = want.pdl;
+  const KernelVariant plain = default_request();
   const bool tma_default = want == plain && !tma_off &&
                            rb == 8 && p.dtype != DType::kF32 && p.head_dim == 128 &&
                            p.head_dim_v == 128;
-  const bool tma_ok = (want.tma || tma_default) && f.cc_major >= 9 &&
-                      p.dtype != DType::kF32 && tma_mappable(p, 64);
+  // decode_wide_tma_kernel: the default at 16-bit D = Dv = 512 where it can run (sm_90+,
+  // mappable strides; JAX_SDPA_CUDA_DECODE_WIDE_TMA=off: never), NW4 S6.
+  const bool wide_tma_off = wide_tma_env != nullptr && std::strcmp(wide_tma_env, "off") == 0;
+  const bool wide_tma_default = want == plain && !wide_tma_off && rb == 8 &&
+                                p.dtype != DType::kF32 && p.head_dim == 512 &&
+                                p.head_dim_v == 512;
+  const bool wide_tma = want.tma && want.wide;
+  const bool tma_ok = (want.tma || tma_default || wide_tma_default) && f.cc_major >= 9 &&
+                      p.dtype != DType::kF32 &&
+                      (wide_tma || wide_tma_default ? tma_mappable(p, kTileKeys, true)
+                                                    : tma_mappable(p, 64, false));
   if (tma_default && tma_ok) {
     const int64_t units0 = p.batch * p.heads_kv * ((R + rb - 1) / rb);
     want.tma = true;
     want.warps = units0 >= f.sms ? 4 : 8;
     want.stages = 2;
     want.prefetch = 0;
+  }
+  if (wide_tma_default && tma_ok) {
+    want.tma = want.wide = true;
+    want.warps = 4;
+    want.stages = 6;
+    want.step_tiles = 2;
   }
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
@@ -379,7 +402,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // At least one tile per warp (the wide kernel's warps share each tile: two tiles).
   const int64_t step_keys = k.variant.wide ? 2 * kTileKeys : kTileKeys * k.variant.warps;
   // The key step a split's range is a multiple of (the device's split_range<GRAN>).
-  const int64_t gran = k.variant.tma ? step_keys : kTileKeys;
+  const int64_t gran = k.variant.tma && !k.variant.wide ? step_keys : kTileKeys;
   int64_t min_keys = std::max<int64_t>(step_keys, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0
@@ -400,7 +423,9 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // Auto combine: the last split block of a unit merges n partials of its valid
   // rows with one float4 per thread and split; past ~48 loads per thread (D512
   // at small batch: 33 splits x 8 rows x 128 float4 / 96 threads = 363) that
-  // tail is longer than a separate, grid-wide combine launch.
+  // tail is longer than a separate, grid-wide combine launch. Behind decode_tma_kernel the
+  // combine kernel is faster anyway (H200, B8 H32/KV8 Lk8192 D128 bf16: 3717 vs 3608 GB/s
+  // fused; B1 Lk32768: 3207 vs 2990; results/gpu_decode_sweep_20261130T1634.json).
   const int64_t valid_rows = std::min<int64_t>(R, rb);
   const int64_t per_thread = (valid_rows * (p.head_dim_v / 4) + k.threads - 1) / k.threads;
   // The fused combine's counters follow the partials in the workspace; when they
@@ -410,14 +435,14 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
                         workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
   if (combine == Combine::kFused) fused = fused_ok;
-  else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48;
+  else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48 && !k.variant.tma;
   plan->fused_combine = fused;
   plan->workspace = workspace_layout(p, n, units, fused);
   if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%s%sW%d S%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
+                  "dtype%d -> %s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
                   "smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
@@ -425,8 +450,8 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
                   k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "",
-                  k.variant.pdl ? "pdl " : "", k.variant.warps,
-                  k.variant.stages, k.variant.prefetch, rb, plan->row_chunks,
+                  k.variant.warps,
+                  k.variant.stages, k.variant.step_tiles, k.variant.prefetch, rb, plan->row_chunks,
                   n, occ, k.smem,
                   n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
                   workspace_bytes);

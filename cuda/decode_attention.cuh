@@ -992,15 +992,8 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
 // partials in a couple of L2 round trips.
 constexpr int kCombineLanes = 4;
 
-// PDL (experiment, sm_90+): launched as a programmatic dependent of the main kernel, so
-// it waits for the main kernel's partials first (griddepcontrol.wait).
-template <typename T, int DV, bool PDL = false>
+template <typename T, int DV>
 __global__ void __launch_bounds__(128, 4) combine_kernel(const Args a) {
-  if constexpr (PDL) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-  }
   constexpr int DV4 = DV / 4;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int part = static_cast<int>(tid % kCombineLanes);

@@ -53,11 +53,10 @@ struct KernelVariant {
                               // or 128 + kEvictFirst (132)
   bool wide = false;          // decode_wide_kernel: the warps split the head dims
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
-  bool pdl = false;           // decode_tma_kernel and its combine as programmatic dependent
-                              // launches (experiment)
+  int step_tiles = 0;         // decode_wide_tma_kernel (wide && tma): 16-key tiles a step
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           tma == o.tma && pdl == o.pdl;
+           tma == o.tma && step_tiles == o.step_tiles;
   }
 };
 
@@ -95,9 +94,9 @@ std::string unsupported_reason(const SdpaParams& p);
 //                                     default there): W consumer warps, S stages of 16 W
 //                                     keys; off: never
 //   JAX_SDPA_CUDA_DECODE_TMA_L2=n     its tensor maps' L2 fetch bytes (0, 64, 128, 256)
-//   JAX_SDPA_CUDA_DECODE_PDL=1        decode_tma_kernel (W8 S2 / W4 S2, 8 rows a block) and
-//                                     its combine kernel as programmatic dependent launches
-//                                     (experiment, not yet run)
+//   JAX_SDPA_CUDA_DECODE_WIDE_TMA=NW,S,KT|off  decode_wide_tma_kernel (sm_90+, 16-bit
+//                                     D = Dv = 512; the default there; D256 variants): NW
+//                                     consumer warps, S stages of 16 keys, KT stages a step
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

@@ -11,6 +11,7 @@
 #include "decode_attention.h"
 #include "decode_tma.cuh"
 #include "decode_wide.cuh"
+#include "decode_wide_tma.cuh"
 
 namespace jax_sdpa {
 namespace cuda_decode {
@@ -107,64 +108,38 @@ struct TcDefault {
   static constexpr int S = (D + DV <= 256) ? 2 : 1;
 };
 
-// The K and V tensor maps of decode_tma_kernel: 5-D (64 elements, D / 64 chunks, then kv
-// head, key and batch ordered by stride), boxes of box_keys keys, 128-byte swizzle, zeros
-// past the tensor. Any pointer works for a trial (plan time: can these strides be mapped?).
+// The K and V tensor maps of the TMA kernels: 5-D (64 elements, D / 64 chunks, then kv
+// head, key and batch ordered by stride), boxes of box_keys keys and all the chunks
+// (decode_tma_kernel) or one chunk (chunk_boxes: decode_wide_tma_kernel, one copy per
+// chunk), 128-byte swizzle, zeros past the tensor. Any pointer works for a trial (plan
+// time: can these strides be mapped?).
 cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
-                           int box_keys, TmaMaps* maps);
+                           int box_keys, bool chunk_boxes, TmaMaps* maps);
 
-// A launch configuration that lets the kernel start while the previous one on the stream
-// drains (programmatic stream serialization; the kernel waits with griddepcontrol.wait).
-struct PdlLaunch {
-  cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg{};
-  PdlLaunch(dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(static_cast<unsigned>(threads));
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-};
-
-template <typename T, int DV>
-void launch_combine_pdl(const Args& a, dim3 grid, cudaStream_t st) {
-  PdlLaunch l(grid, 128, 0, st);
-  cudaLaunchKernelEx(&l.cfg, combine_kernel<T, DV, true>, a);
-}
-
-template <typename T, int D, int DV, int NT, int W, int S, bool PDL>
+template <typename T, int D, int DV, int NT, int W, int S>
 cudaError_t launch_tma(const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
   TmaMaps maps;
   cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
                                  std::is_same<T, __nv_bfloat16>::value, D, DV,
-                                 TmaConfig<T, D, DV, NT, W, S>::kKeys, &maps);
+                                 TmaConfig<T, D, DV, NT, W, S>::kKeys, false, &maps);
   if (e != cudaSuccess) return e;
-  if constexpr (PDL) {
-    PdlLaunch l(grid, threads, smem, st);
-    return cudaLaunchKernelEx(&l.cfg, decode_tma_kernel<T, D, DV, NT, W, S, true>, a, maps);
-  } else {
-    decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
-    return cudaGetLastError();
-  }
+  decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
+  return cudaGetLastError();
 }
 
-template <typename T, int D, int DV, int NT, int W, int S, bool PDL = false>
+template <typename T, int D, int DV, int NT, int W, int S>
 KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
   KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S, PDL>);
-  k.launch = &launch_tma<T, D, DV, NT, W, S, PDL>;
-  k.combine = PDL ? &launch_combine_pdl<T, DV> : &launch_combine<T, DV>;
+  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S>);
+  k.launch = &launch_tma<T, D, DV, NT, W, S>;
+  k.combine = &launch_combine<T, DV>;
   k.threads = Cfg::kThreads;
   k.smem = Cfg::kSmem;
   k.tensor_cores = true;
-  k.variant = KernelVariant{W, S, 0, false, true, PDL};
+  k.variant = KernelVariant{W, S, 0, false, true};
   return k;
 }
 
@@ -172,11 +147,7 @@ KernelInfo tma_info() {
 // (KB of smem / blocks per SM: W4 S2 66/3, W4 S3 99/2, W4 S4 132/1, W4 S6 197/1, W8 S2
 // 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built.
 template <typename T, int D, int DV, int NT>
-KernelInfo tma_select(int w, int s, bool pdl) {
-  if constexpr (D == 128 && DV == 128 && NT == 1) {  // PDL experiment: the two defaults
-    if (pdl && w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2, true>();
-    if (pdl && w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, true>();
-  }
+KernelInfo tma_select(int w, int s) {
   if constexpr (D == 128 && DV == 128) {
     if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2>();
     if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3>();
@@ -185,6 +156,50 @@ KernelInfo tma_select(int w, int s, bool pdl) {
     if (w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2>();
     if (w == 8 && s == 3) return tma_info<T, D, DV, NT, 8, 3>();
     if (w == 2 && s == 4) return tma_info<T, D, DV, NT, 2, 4>();
+  }
+  return KernelInfo{};
+}
+
+template <typename T, int D, int DV, int NW, int S, int KT>
+cudaError_t launch_wide_tma(const Args& a, dim3 grid, int threads, size_t smem,
+                            cudaStream_t st) {
+  TmaMaps maps;
+  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
+                                 std::is_same<T, __nv_bfloat16>::value, D, DV, kTileKeys, true,
+                                 &maps);
+  if (e != cudaSuccess) return e;
+  decode_wide_tma_kernel<T, D, DV, NW, S, KT><<<grid, threads, smem, st>>>(a, maps);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, int DV, int NW, int S, int KT>
+KernelInfo wide_tma_info() {
+  using Cfg = WideTmaConfig<T, D, DV, NW, S, KT>;
+  static_assert(Cfg::kSmem <= 227 * 1024, "decode_wide_tma_kernel: too much shared memory");
+  KernelInfo k;
+  k.func = reinterpret_cast<const void*>(&decode_wide_tma_kernel<T, D, DV, NW, S, KT>);
+  k.launch = &launch_wide_tma<T, D, DV, NW, S, KT>;
+  k.combine = &launch_combine<T, DV>;
+  k.threads = Cfg::kThreads;
+  k.smem = Cfg::kSmem;
+  k.tensor_cores = true;
+  k.variant = KernelVariant{NW, S, 0, true, true, KT};
+  return k;
+}
+
+// decode_wide_tma_kernel variants: NW consumer warps x S stages of 16 keys, KT stages a
+// consumer step (KB of smem / blocks per SM: D512 NW4 S6 198-213/1, NW4 S4 KT2 141/1,
+// NW8 S6 KT2 213/1). Null where not built. (D256 NW4 S8 KT2 / KT4 lost to
+// decode_tc_kernel: B1 H32/KV8 Lk8192 1909 / 1910 vs 2202 GB/s, results/
+// gpu_decode_sweep_20261130T1655.json.)
+template <typename T, int D, int DV>
+KernelInfo wide_tma_select(int nw, int s, int kt) {
+  if constexpr (D == DV && D == 512) {
+    if (nw == 4 && s == 6 && kt == 1) return wide_tma_info<T, D, DV, 4, 6, 1>();
+    if (nw == 4 && s == 6 && kt == 2) return wide_tma_info<T, D, DV, 4, 6, 2>();
+    if (nw == 4 && s == 6 && kt == 3) return wide_tma_info<T, D, DV, 4, 6, 3>();
+    if (nw == 4 && s == 4 && kt == 2) return wide_tma_info<T, D, DV, 4, 4, 2>();
+    if (nw == 8 && s == 6 && kt == 2) return wide_tma_info<T, D, DV, 8, 6, 2>();
   }
   return KernelInfo{};
 }
@@ -216,12 +231,17 @@ template <typename T, int D, int DV, int NT>
 KernelInfo tc_select(const KernelVariant& want) {
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
-  if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
-    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.pdl);
+  if (want.tma && want.wide) {  // (NW, S) name a wide TMA variant: else the default
+    if constexpr (NT == 1) {
+      KernelInfo k = wide_tma_select<T, D, DV>(w, s, want.step_tiles);
+      if (k.func != nullptr) return k;
+    }
+    w = s = 0;
+  } else if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s);
     if (k.func != nullptr) return k;
     w = s = 0;
-  }
-  if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default
+  } else if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default
     if constexpr (NT == 1) {
       KernelInfo k = wide_select<T, D, DV>(w, s);
       if (k.func != nullptr) return k;

@@ -33,8 +33,6 @@ using cuda_common::mbar_arrive_expect_tx;
 using cuda_common::mbar_init;
 using cuda_common::mbar_init_fence;
 using cuda_common::mbar_wait;
-using cuda_common::pdl_launch_dependents;
-using cuda_common::pdl_wait;
 using cuda_common::tma_load_5d;
 
 // The K and V tensor maps of a call (host: encode_kv_maps) and which of
@@ -86,12 +84,7 @@ __host__ __device__ __forceinline__ constexpr int key_row(int k) {
   return 4 * (2 * a + b) + (t ^ b);
 }
 
-// PDL (experiment, JAX_SDPA_CUDA_DECODE_PDL=1): launched as a programmatic dependent of
-// the previous kernel on the stream, so its blocks are scheduled while that kernel
-// drains; they wait for it (pdl_wait) before reading anything in global memory and let
-// this kernel's own dependent (the combine kernel) be scheduled right away (that one
-// waits for this grid to complete).
-template <typename T, int D, int DV, int NT, int W, int S, bool PDL = false>
+template <typename T, int D, int DV, int NT, int W, int S>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     decode_tma_kernel(const Args a, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -108,10 +101,6 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
   uint64_t* empty = full + S;
 
-  if constexpr (PDL) {
-    pdl_wait();
-    pdl_launch_dependents();
-  }
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const BlockWork wk = block_work(a, RB);

@@ -38,6 +38,103 @@ struct WideConfig {
   static constexpr size_t kSmem = kQBytes + kScoreBytes + kRingBytes;
 };
 
+// The wide kernels' shared pieces (decode_wide_kernel here, decode_wide_tma_kernel in
+// decode_wide_tma.cuh): every warp holds the same summed scores of a tile, so the same
+// online softmax, and writes its own output columns at the end.
+
+// One step's online softmax of row g: p = this thread's NP summed scores (raw, in
+// groups of four per 16-key tile: mma key indices 2t, 2t+1, 2t+8, 2t+9), of keys
+// key_of(e). Updates the row's max / partial sum, rescales the output accumulators
+// (O^T: columns = query rows 2t, 2t+1) and returns P^T's B fragments (two a tile).
+template <typename T, int NP, int NVC, typename KeyOf>
+__device__ __forceinline__ void wide_softmax(const Args& a, const RowInfo& row, float (&p)[NP],
+                                             KeyOf key_of, float& m_run, float& l_run,
+                                             float (&acc)[NVC][4][4], uint32_t (&pb)[NP / 2]) {
+  const int t = threadIdx.x & 3;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < NP; ++e) {
+    p[e] = masked_score(a, p[e] * a.scale_log2, key_of(e), row.first, row.last, row.mrow);
+    mx = fmaxf(mx, p[e]);
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mn = fmaxf(m_run, mx);
+  const float mu = mn == -INFINITY ? 0.f : mn;
+  const float al = exp2f(m_run - mu);
+  m_run = mn;
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < NP; ++e) {
+    p[e] = exp2f(p[e] - mu);
+    sum += p[e];
+  }
+  l_run = l_run * al + sum;  // per-thread partial; quad-reduced at the end
+  if (__any_sync(0xffffffffu, al != 1.f)) {
+    const float a0 = __shfl_sync(0xffffffffu, al, (2 * t) * 4);
+    const float a1 = __shfl_sync(0xffffffffu, al, (2 * t + 1) * 4);
+#pragma unroll
+    for (int c = 0; c < NVC; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[c][j][0] *= a0;
+        acc[c][j][1] *= a1;
+        acc[c][j][2] *= a0;
+        acc[c][j][3] *= a1;
+      }
+  }
+#pragma unroll
+  for (int e = 0; e < NP / 2; ++e) pb[e] = pack2<T>(p[2 * e], p[2 * e + 1]);
+}
+
+// The end of a wide kernel's warp: row g's sum over the quad, then the stats of this
+// thread's two output rows (query rows 2t and 2t + 1 of the block: O^T's columns) and
+// its output columns dv_of(c, j) (acc[c][j]: dv, dv + 1), as the output and lse (one
+// split) or as normalized partials for combine_kernel. stats_warp: this warp writes the
+// lse (every warp holds the same stats).
+template <typename T, int DV, int NVC, typename DvOf>
+__device__ __forceinline__ void wide_store(const Args& a, const float (&acc)[NVC][4][4],
+                                           float m_run, float l_run, int b, int kvh, int r0,
+                                           int split, int qlen, bool stats_warp, DvOf dv_of) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int rr = 2 * t + q;
+    const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
+    const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
+    const int r = r0 + rr;
+    if (r >= a.R) continue;
+    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+    const bool stats_writer = stats_warp && g == 0;
+    if (a.nsplit == 1) {
+      float scale, lse;
+      row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
+      if (stats_writer) a.lse[grow] = lse;
+      T* dst = reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i);
+#pragma unroll
+      for (int c = 0; c < NVC; ++c)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          *reinterpret_cast<uint32_t*>(dst + dv_of(c, j)) =
+              pack2<T>(acc[c][j][q] * scale, acc[c][j][q + 2] * scale);
+    } else {
+      const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
+      const float scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
+      if (stats_writer) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+      float* dst = a.part_o + pr * DV;
+#pragma unroll
+      for (int c = 0; c < NVC; ++c)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          *reinterpret_cast<float2*>(dst + dv_of(c, j)) =
+              make_float2(acc[c][j][q] * scale, acc[c][j][q + 2] * scale);
+    }
+  }
+}
+
 template <typename T, int D, int DV, int NW, int S, int PF>
 __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
   using Cfg = WideConfig<T, D, DV, NW, S>;
@@ -138,40 +235,10 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
     // 2. Online softmax of row g (identical in every warp).
     const int j0 = ks0 + it * kTileKeys;
     float p[4] = {tot.x, tot.y, tot.z, tot.w};
-    float mx = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int j = j0 + 8 * (e >> 1) + 2 * t + (e & 1);
-      p[e] = masked_score(a, p[e] * a.scale_log2, j, row.first, row.last, row.mrow);
-      mx = fmaxf(mx, p[e]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mn = fmaxf(m_run, mx);
-    const float mu = mn == -INFINITY ? 0.f : mn;
-    const float al = exp2f(m_run - mu);
-    m_run = mn;
-    float sum = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      p[e] = exp2f(p[e] - mu);
-      sum += p[e];
-    }
-    l_run = l_run * al + sum;  // per-thread partial; quad-reduced at the end
-    if (__any_sync(0xffffffffu, al != 1.f)) {
-      const float a0 = __shfl_sync(0xffffffffu, al, (2 * t) * 4);
-      const float a1 = __shfl_sync(0xffffffffu, al, (2 * t + 1) * 4);
-#pragma unroll
-      for (int c = 0; c < NVC; ++c)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[c][j][0] *= a0;
-          acc[c][j][1] *= a1;
-          acc[c][j][2] *= a0;
-          acc[c][j][3] *= a1;
-        }
-    }
-    const uint32_t pb0 = pack2<T>(p[0], p[1]), pb1 = pack2<T>(p[2], p[3]);
+    uint32_t pb[2];
+    wide_softmax<T>(a, row, p, [&](int e) { return j0 + 8 * (e >> 1) + 2 * t + (e & 1); },
+                    m_run, l_run, acc, pb);
+    const uint32_t pb0 = pb[0], pb1 = pb[1];
 
     // 3. O^T += V^T P^T over output columns [w * DVW, (w + 1) * DVW).
 #pragma unroll
@@ -192,48 +259,8 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
   }
   cp_async_wait<0>();
 
-  // Row g's sum over the quad, then the stats of this thread's two output rows
-  // (query rows 2t and 2t + 1 of the block: O^T's columns).
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int rr = 2 * t + q;
-    const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
-    const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
-    const int r = r0 + rr;
-    if (r >= a.R) continue;
-    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
-    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
-    const bool stats_writer = w == 0 && g == 0;
-    if (a.nsplit == 1) {
-      float scale, lse;
-      row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
-      if (stats_writer) a.lse[grow] = lse;
-      T* dst = reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i);
-#pragma unroll
-      for (int c = 0; c < NVC; ++c)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int dv = w * Cfg::DVW + 64 * c + 8 * g + 2 * j;
-          *reinterpret_cast<uint32_t*>(dst + dv) =
-              pack2<T>(acc[c][j][q] * scale, acc[c][j][q + 2] * scale);
-        }
-    } else {
-      const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
-      const float scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
-      if (stats_writer) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
-      float* dst = a.part_o + pr * DV;
-#pragma unroll
-      for (int c = 0; c < NVC; ++c)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int dv = w * Cfg::DVW + 64 * c + 8 * g + 2 * j;
-          *reinterpret_cast<float2*>(dst + dv) =
-              make_float2(acc[c][j][q] * scale, acc[c][j][q + 2] * scale);
-        }
-    }
-  }
+  wide_store<T, DV>(a, acc, m_run, l_run, b, kvh, r0, split, qlen, w == 0,
+                    [&](int c, int j) { return w * Cfg::DVW + 64 * c + 8 * g + 2 * j; });
 }
 
 }  // namespace cuda_decode

@@ -51,16 +51,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Programmatic dependent launch (a kernel launched with the programmatic stream
-// serialization attribute may start before the previous kernel on its stream ends):
-// wait until the grids it depends on have completed and their writes are visible
-// (a no-op when launched without the attribute) ...
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-// ... and let the next such kernel on the stream be scheduled now.
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // One 5-D tile of `map` at coordinates c0..c4 (innermost first) into shared memory;
 // completion is counted in bytes on `bar`. Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, uint64_t* bar,

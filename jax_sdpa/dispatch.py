@@ -214,6 +214,9 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
     if dims == (128, 128) and cfg.group * cfg.len_q <= 8:
         return _ok("our decode kernel (split-K over the kv cache; tensor cores, K/V fed by TMA "
                    "on sm_90+, cuda/decode_tma.cuh)")
+    if dims == (512, 512):
+        return _ok("our decode kernel (split-K over the kv cache; tensor cores, the warps split "
+                   "the head dims, K/V fed by TMA on sm_90+, cuda/decode_wide_tma.cuh)")
     return _ok("our decode kernel (split-K over the kv cache; tensor cores)")
 
 
@@ -354,7 +357,8 @@ def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
     rows per kv head, cuDNN re-reads K/V per query head once Lq > 1, so ours wins for
     4 < R <= 32 (B8 H32/KV8 Lk4096: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64;
     plain decode, R = 4: cuDNN 1.1-1.6x faster). Where cuDNN can't serve: XLA matched or
-    beat ours on every fp32 row (1.0-2.2x) and at head dims > 256 (D512 B1: 1.2-1.6x);
+    beat ours on every fp32 row (1.0-2.2x) and at head dims > 256 (D512 B1: 1.1-1.4x with
+    decode_wide_tma_kernel, benchmarks/results/gpu_decode_bench_20261130T1702.json);
     16-bit at D <= 256 ours matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64
     1.04x)."""
     rows = cfg.len_q * cfg.group

@@ -2,7 +2,10 @@
 // the head-dim order (qk_chunk), the dv order (pv_chunk) and the key-row permutation
 // (key_row) are bijections, and every 16-byte fragment load of a warp is free of bank
 // conflicts under the 128-byte swizzle (8 lanes a phase: their 16-byte bank groups must
-// differ). Built and run by tests/test_decode_tma_layout.py; prints what fails.
+// differ). decode_wide_tma_kernel (cuda/decode_wide_tma.cuh) lands each 64-wide chunk of
+// its 16-key tiles as its own swizzled tile and reads it with the D = Dv = 64 orders, so
+// check_qk<64> / check_pv<64> cover it too. Built and run by
+// tests/test_decode_tma_layout.py; prints what fails.
 #include <cstdio>
 #include <set>
 
