@@ -125,7 +125,9 @@ fi
 if has decode_ncu; then
   # NCU_KNOBS: our kernels under each knob setting ("-" = the defaults; '+' joins the
   # settings of one run, as DECODE_CHECK_KNOBS); NCU_PEERS: jax.nn implementations
-  # profiled beside them (first setting only).
+  # profiled beside them (first setting only; "xla" crashed ncu's process once, T1646);
+  # NCU_EXTRA: more ncu arguments, e.g. "--section SourceCounters" (stall sampling per
+  # source line: where the warps wait).
   say "Nsight Compute: our decode kernel (settings: ${NCU_KNOBS:--}) beside ${NCU_PEERS-cudnn} on rows ${NCU_ROWS:-0} (real clocks)"
   peers=${NCU_PEERS-cudnn}
   for knob in ${NCU_KNOBS:--}; do
@@ -134,7 +136,7 @@ if has decode_ncu; then
      timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:'decode_|flash|sdpa|combine|gemm|fusion' --section SpeedOfLight --section LaunchStats \
      --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
-     --section SchedulerStats python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} \
+     --section SchedulerStats ${NCU_EXTRA:-} python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} \
      --peers "$peers" >> "$OUT/decode_ncu.txt" 2>&1) || rc=1
     peers=""
   done
