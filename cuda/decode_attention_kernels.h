@@ -53,21 +53,32 @@ void launch_combine(const Args& a, dim3 grid, cudaStream_t st) {
   combine_kernel<T, DV><<<grid, 128, 0, st>>>(a);
 }
 
-// The descriptor of one instantiated main kernel (storage type T, Dv for its combine).
-template <auto Kernel, typename T, int DV>
-KernelInfo kernel_info(int threads, size_t smem, bool tensor_cores, KernelVariant variant) {
+// The descriptor of one instantiated main kernel (storage type T, Dv for its combine),
+// launched by `launch`.
+template <typename T, int DV>
+KernelInfo describe(const void* func, decltype(KernelInfo::launch) launch, int threads,
+                    size_t smem, bool tensor_cores, KernelVariant variant) {
   KernelInfo k;
-  k.func = reinterpret_cast<const void*>(Kernel);
-  k.launch = [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
-    Kernel<<<grid, threads, smem, st>>>(a);
-    return cudaGetLastError();
-  };
+  k.func = func;
+  k.launch = launch;
   k.combine = &launch_combine<T, DV>;
   k.threads = threads;
   k.smem = smem;
   k.tensor_cores = tensor_cores;
   k.variant = variant;
   return k;
+}
+
+// ... for a kernel that takes the call's Args only.
+template <auto Kernel, typename T, int DV>
+KernelInfo kernel_info(int threads, size_t smem, bool tensor_cores, KernelVariant variant) {
+  return describe<T, DV>(
+      reinterpret_cast<const void*>(Kernel),
+      [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
+        Kernel<<<grid, threads, smem, st>>>(a);
+        return cudaGetLastError();
+      },
+      threads, smem, tensor_cores, variant);
 }
 
 template <typename T, int D, int DV, int NT, int W, int S, int PF>
@@ -117,14 +128,18 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
                            int box_keys, bool chunk_boxes, TmaMaps* maps);
 
-template <typename T, int D, int DV, int NT, int W, int S>
-cudaError_t launch_tma(const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
+// A TMA kernel's launch: the call's K / V tensor maps (boxes of BOX_KEYS keys, one chunk
+// a box with CHUNK_BOXES: encode_kv_maps), then the kernel; cudaErrorNotSupported when
+// the pointers do not map (launch() then runs decode_tc_kernel).
+template <auto Kernel, typename T, int D, int DV, int BOX_KEYS, bool CHUNK_BOXES>
+cudaError_t launch_with_maps(const Args& a, dim3 grid, int threads, size_t smem,
+                             cudaStream_t st) {
   TmaMaps maps;
   cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
-                                 std::is_same<T, __nv_bfloat16>::value, D, DV,
-                                 TmaConfig<T, D, DV, NT, W, S>::kKeys, false, &maps);
+                                 std::is_same<T, __nv_bfloat16>::value, D, DV, BOX_KEYS,
+                                 CHUNK_BOXES, &maps);
   if (e != cudaSuccess) return e;
-  decode_tma_kernel<T, D, DV, NT, W, S><<<grid, threads, smem, st>>>(a, maps);
+  Kernel<<<grid, threads, smem, st>>>(a, maps);
   return cudaGetLastError();
 }
 
@@ -132,15 +147,10 @@ template <typename T, int D, int DV, int NT, int W, int S>
 KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
-  KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_tma_kernel<T, D, DV, NT, W, S>);
-  k.launch = &launch_tma<T, D, DV, NT, W, S>;
-  k.combine = &launch_combine<T, DV>;
-  k.threads = Cfg::kThreads;
-  k.smem = Cfg::kSmem;
-  k.tensor_cores = true;
-  k.variant = KernelVariant{W, S, 0, false, true};
-  return k;
+  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S>;
+  return describe<T, DV>(reinterpret_cast<const void*>(kernel),
+                         &launch_with_maps<kernel, T, D, DV, Cfg::kKeys, false>, Cfg::kThreads,
+                         Cfg::kSmem, true, KernelVariant{W, S, 0, false, true});
 }
 
 // decode_tma_kernel variants (D = Dv = 128): W consumer warps x S stages of 16 W keys
@@ -161,30 +171,13 @@ KernelInfo tma_select(int w, int s) {
 }
 
 template <typename T, int D, int DV, int NW, int S, int KT>
-cudaError_t launch_wide_tma(const Args& a, dim3 grid, int threads, size_t smem,
-                            cudaStream_t st) {
-  TmaMaps maps;
-  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
-                                 std::is_same<T, __nv_bfloat16>::value, D, DV, kTileKeys, true,
-                                 &maps);
-  if (e != cudaSuccess) return e;
-  decode_wide_tma_kernel<T, D, DV, NW, S, KT><<<grid, threads, smem, st>>>(a, maps);
-  return cudaGetLastError();
-}
-
-template <typename T, int D, int DV, int NW, int S, int KT>
 KernelInfo wide_tma_info() {
   using Cfg = WideTmaConfig<T, D, DV, NW, S, KT>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_wide_tma_kernel: too much shared memory");
-  KernelInfo k;
-  k.func = reinterpret_cast<const void*>(&decode_wide_tma_kernel<T, D, DV, NW, S, KT>);
-  k.launch = &launch_wide_tma<T, D, DV, NW, S, KT>;
-  k.combine = &launch_combine<T, DV>;
-  k.threads = Cfg::kThreads;
-  k.smem = Cfg::kSmem;
-  k.tensor_cores = true;
-  k.variant = KernelVariant{NW, S, 0, true, true, KT};
-  return k;
+  constexpr auto kernel = &decode_wide_tma_kernel<T, D, DV, NW, S, KT>;
+  return describe<T, DV>(reinterpret_cast<const void*>(kernel),
+                         &launch_with_maps<kernel, T, D, DV, kTileKeys, true>, Cfg::kThreads,
+                         Cfg::kSmem, true, KernelVariant{NW, S, 0, true, true, KT});
 }
 
 // decode_wide_tma_kernel variants: NW consumer warps x S stages of 16 keys, KT stages a

@@ -42,6 +42,38 @@ struct TmaMaps {
   int order[3];
 };
 
+// The stage ring of the TMA kernels: full[s] completes when stage s's copies landed
+// (one producer arrival + the bytes), empty[s] when its `consumers` warps released it.
+template <int S>
+__device__ __forceinline__ void init_stage_ring(uint64_t* full, uint64_t* empty, int consumers) {
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    mbar_init(&full[s], 1);
+    mbar_init(&empty[s], consumers);
+  }
+  mbar_init_fence();
+}
+
+// The producer thread's loop: stage `it` of nst (keys key0 + it * keys_per_stage) goes
+// to ring slot it % S once the slot's previous stage was released; issue(slot, slot
+// barrier, c2, c3, c4) starts its copies, at the maps' tensor coordinates of dims 2..4.
+template <int S, typename Issue>
+__device__ __forceinline__ void produce_stages(const TmaMaps& maps, uint64_t* full,
+                                               uint64_t* empty, uint32_t stage_bytes, int nst,
+                                               int kvh, int b, int key0, int keys_per_stage,
+                                               Issue issue) {
+  for (int it = 0; it < nst; ++it) {
+    const int s = it % S;
+    if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+    mbar_arrive_expect_tx(&full[s], stage_bytes);
+    const int key = key0 + it * keys_per_stage;
+    // Coordinate of tensor dim 2 + i: (kv head, key, batch)[order[i]] (selects, not an
+    // indexed local array: that would live on the stack).
+    auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
+    issue(s, &full[s], pick(maps.order[0]), pick(maps.order[1]), pick(maps.order[2]));
+  }
+}
+
 template <typename T, int D, int DV, int NT, int W, int S>
 struct TmaConfig {
   static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
@@ -110,14 +142,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   split_range<TK>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
 
-  if (tid == W * 32) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], W);
-    }
-    mbar_init_fence();
-  }
+  if (tid == W * 32) init_stage_ring<S>(full, empty, W);
   // Q rows of the block -> smem (zeros past the group / chunk), by the consumer warps.
   if (w < W) load_q_rows<T, D, D, 16, RB, W * 32>(Qs, a, b, kvh, r0, tid);
   __syncthreads();
@@ -136,21 +161,13 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   if (w == W) {
     // Producer: one thread keeps the ring full (a stage is refilled once all W
     // consumers have released it).
-    if (lane == 0) {
-      for (int it = 0; it < nst; ++it) {
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(Cfg::kStageBytes));
-        const int key = ks0 + it * TK;
-        // Coordinate of tensor dim 2 + i: (kv head, key, batch)[order[i]] (selects, not an
-        // indexed local array: that would live on the stack).
-        auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
-        const int c2 = pick(maps.order[0]), c3 = pick(maps.order[1]), c4 = pick(maps.order[2]);
-        unsigned char* st = ring + s * Cfg::kStageBytes;
-        tma_load_5d(st, &maps.k, &full[s], 0, 0, c2, c3, c4);
-        tma_load_5d(st + Cfg::kKBytes, &maps.v, &full[s], 0, 0, c2, c3, c4);
-      }
-    }
+    if (lane == 0)
+      produce_stages<S>(maps, full, empty, static_cast<uint32_t>(Cfg::kStageBytes), nst, kvh, b,
+                        ks0, TK, [&](int s, uint64_t* bar, int c2, int c3, int c4) {
+                          unsigned char* st = ring + s * Cfg::kStageBytes;
+                          tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
+                          tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
+                        });
   } else {
     // Consumer warp w: the w-th 16-key tile of every stage.
     const RowInfo rowA = row_info(a, b, kvh, r0 + g, qlen, kvlen);

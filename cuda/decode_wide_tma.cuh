@@ -87,35 +87,23 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   split_range<kTileKeys>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
 
-  if (tid == NW * 32) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], NW);
-    }
-    mbar_init_fence();
-  }
+  if (tid == NW * 32) init_stage_ring<S>(full, empty, NW);
   __syncthreads();  // the barriers are initialized: from here on only mbarriers and bar 1
 
   if (w == NW) {
     // Producer: one thread; a stage is refilled once all NW consumers released it.
-    if (lane == 0) {
-      for (int it = 0; it < nst; ++it) {
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(Cfg::kStageBytes));
-        const int key = ks0 + it * kTileKeys;
-        auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
-        const int c2 = pick(maps.order[0]), c3 = pick(maps.order[1]), c4 = pick(maps.order[2]);
-        unsigned char* st = ring + s * Cfg::kStageBytes;
+    if (lane == 0)
+      produce_stages<S>(maps, full, empty, static_cast<uint32_t>(Cfg::kStageBytes), nst, kvh, b,
+                        ks0, kTileKeys, [&](int s, uint64_t* bar, int c2, int c3, int c4) {
+                          unsigned char* st = ring + s * Cfg::kStageBytes;
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c)
-          tma_load_5d(st + c * CB, &maps.k, &full[s], 0, c, c2, c3, c4);
+                          for (int c = 0; c < D / 64; ++c)
+                            tma_load_5d(st + c * CB, &maps.k, bar, 0, c, c2, c3, c4);
 #pragma unroll
-        for (int c = 0; c < DV / 64; ++c)
-          tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, &full[s], 0, c, c2, c3, c4);
-      }
-    }
+                          for (int c = 0; c < DV / 64; ++c)
+                            tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3,
+                                        c4);
+                        });
     return;  // no block barrier below: the consumers end on their own
   }
 
