@@ -162,8 +162,9 @@ def _cases():
             dict(name=f"{dt} D256 MQA Lq2 G8 (16 rows) causal", dt=dt, B=2, Hq=8, Hk=1, Lq=2,
                  Lk=900, D=256, Dv=256, wr=0),
         ]
-    # D512 at 16 bits (the wide kernels; decode_wide_tma_kernel on sm_90+): the features.
-    for dt in ("bf16", "fp16"):
+    # D512 (the wide kernels at 16 bits, decode_wide_tma_kernel on sm_90+; fp32: the
+    # CUDA-core kernels): the features.
+    for dt in ("bf16", "fp16", "fp32"):
         c = lambda **kw: dict(dt=dt, D=512, Dv=512, **kw)  # noqa: E731
         cases += [
             c(name=f"{dt} D512 Lq2 G4 causal-br qlen kvlen", B=3, Hq=8, Hk=2, Lq=2, Lk=700,
@@ -456,7 +457,8 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # D512 only, cuda/decode_attention_kernels.h); L2 = its K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
-# WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}); WIDE_TMA = NW,S,KT of
+# WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}; on fp32 D512 calls:
+# decode_wide_f32_kernel, an experiment, NW8 S3 / S2); WIDE_TMA = NW,S,KT of
 # decode_wide_tma_kernel (16-bit D = Dv = 512, sm_90+, the default there; D256 built as
 # variants; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+,
 # the default there; "off": never); TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128,
@@ -469,6 +471,8 @@ _WIDE_TMA = [{}, {"WIDE_TMA": "off"}, {"WIDE_TMA": "4,6,1"}, {"WIDE_TMA": "4,6,3
 SWEEP = [
     (BENCH_ROWS[2], _WIDE_TMA + [{"SPLITS": "16"}]),
     (BENCH_ROWS[3], _WIDE_TMA + [{"SPLITS": "16"}, {"SPLITS": "8"}]),
+    # fp32 D512: decode_simt_kernel (default) vs decode_wide_f32_kernel (experiment).
+    (BENCH_ROWS[7], [{}, {"WIDE": "8,3"}, {"WIDE": "8,2"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",

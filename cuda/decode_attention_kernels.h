@@ -11,6 +11,7 @@
 #include "decode_attention.h"
 #include "decode_tma.cuh"
 #include "decode_wide.cuh"
+#include "decode_wide_f32.cuh"
 #include "decode_wide_tma.cuh"
 
 namespace jax_sdpa {
@@ -286,9 +287,23 @@ KernelInfo simt_info() {
       Cfg::kThreads, Cfg::kSmem, false, KernelVariant{W, S, PF, false});
 }
 
+// decode_wide_f32_kernel (experiment, not yet run): JAX_SDPA_CUDA_DECODE_WIDE=NW,S on an
+// fp32 call; built for D = Dv = 512, NW8 S3 (202 KB) and S2 (137 KB), one block an SM.
+template <int D, int DV, int NW, int S>
+KernelInfo wide_f32_info() {
+  using Cfg = WideF32Config<D, DV, NW, S>;
+  static_assert(Cfg::kSmem + 64 <= 227 * 1024, "decode_wide_f32_kernel: too much shared memory");
+  return kernel_info<&decode_wide_f32_kernel<D, DV, NW, S, kTcPrefetch>, float, DV>(
+      Cfg::kThreads, Cfg::kSmem, false, KernelVariant{NW, S, kTcPrefetch, true});
+}
+
 template <int D, int DV>
 KernelInfo simt_select(const KernelVariant& want) {
   const int pf = want.prefetch;
+  if constexpr (D == 512 && DV == 512) {
+    if (want.wide && want.warps == 8 && want.stages == 3) return wide_f32_info<D, DV, 8, 3>();
+    if (want.wide && want.warps == 8 && want.stages == 2) return wide_f32_info<D, DV, 8, 2>();
+  }
   if constexpr (kPrefetchBuilt<D, DV>) {
     if (pf == 0) return simt_info<D, DV, 0>();
     if (pf == 256) return simt_info<D, DV, 256>();
