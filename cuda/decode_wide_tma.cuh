@@ -6,7 +6,8 @@
 // pace the ring, so at D512 (B1 H32/KV4 Lk8192) it streamed at about half the copy
 // bandwidth. Here one producer thread keeps S - 1 stages of 16 keys (K + V: 32 KB at
 // D512) in flight with a few TMA copies each, and the NW consumer warps never wait for
-// a copy they could have issued earlier.
+// a copy they could have issued earlier. Measured on the H200: only 2-4% faster; both
+// kernels stream at 57-60% of DRAM peak, for a reason not yet found (docs/cuda_decode.md).
 //
 // A stage holds each 64-wide chunk of the head dims of its 16 keys as its own swizzled
 // tile (one TMA copy per chunk: box 64 elements x 16 keys; 2 KB). With the 128-byte
