@@ -186,6 +186,74 @@ KernelVariant default_request() {
   return v;
 }
 
+// What the per-call knobs ask for (docs/cuda_decode.md; zeros / -1 / false: the
+// default for the dims), each read once.
+struct KnobRequest {
+  KernelVariant want;
+  bool tma_off = false;       // JAX_SDPA_CUDA_DECODE_TMA=off
+  bool wide_tma_off = false;  // JAX_SDPA_CUDA_DECODE_WIDE_TMA=off
+};
+KnobRequest knob_request() {
+  KnobRequest r;
+  r.want.prefetch = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
+    if (std::sscanf(v, "%d,%d", &r.want.warps, &r.want.stages) != 2)
+      r.want.warps = r.want.stages = 0;
+  }
+  // A variant knob "W,S" (n = 2) or "NW,S,KT" (n = 3) into r.want; false if not one.
+  auto shape = [&r](const char* v, int n, bool positive) {
+    int x[3] = {0, 0, 0};
+    if (std::sscanf(v, "%d,%d,%d", &x[0], &x[1], &x[2]) < n) return false;
+    if (positive && (x[0] <= 0 || x[1] <= 0)) return false;
+    r.want.warps = x[0];
+    r.want.stages = x[1];
+    if (n == 3) r.want.step_tiles = x[2];
+    return true;
+  };
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_TMA")) {
+    if (shape(v, 2, true)) r.want.tma = true;
+    r.tma_off = std::strcmp(v, "off") == 0;
+  }
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
+    if (shape(v, 2, false)) r.want.wide = true;
+  }
+  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE_TMA")) {
+    if (shape(v, 3, true)) r.want.wide = r.want.tma = true;
+    r.wide_tma_off = std::strcmp(v, "off") == 0;
+  }
+  return r;
+}
+
+// The TMA kernel a call with no knob set gets, if any (8 rows a block, 16 bits; where
+// it can't run, make_plan keeps the plain default):
+// - decode_tma_kernel at D = Dv = 128. H200, GB/s, decode_tc_kernel -> TMA (results/
+//   gpu_decode_sweep_20261130T1514): B8 H32/KV8 Lk8192 3323 -> 3592 (W8 S2), B1 Lk32768
+//   2784 -> 2965 (W8 S2), B64 Lk2048 3661 -> 4006 (W4 S2: two blocks an SM beat W8's one
+//   once the units fill the SMs). At 16 rows a block (R 64, B8 Lk4096) it took 174.6 us
+//   where cuDNN took 113.2 (results/gpu_decode_crossover_20261130T1522.json;
+//   decode_tc_kernel was within 1.06x of cuDNN there, _T1344): so not there.
+// - decode_wide_tma_kernel at D = Dv = 512, NW4 S6 KT2 (results/
+//   gpu_decode_sweep_20261130T1702.json).
+bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const KnobRequest& req,
+                 KernelVariant* v) {
+  if (rb != 8 || p.dtype == DType::kF32 || p.head_dim != p.head_dim_v) return false;
+  if (p.head_dim == 128 && !req.tma_off) {
+    v->tma = true;
+    v->warps = units >= sms ? 4 : 8;
+    v->stages = 2;
+    v->prefetch = 0;
+    return true;
+  }
+  if (p.head_dim == 512 && !req.wide_tma_off) {
+    v->tma = v->wide = true;
+    v->warps = 4;
+    v->stages = 6;
+    v->step_tiles = 2;
+    return true;
+  }
+  return false;
+}
+
 size_t pad_ws(size_t bytes) {
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
 }
@@ -285,37 +353,8 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
   }
-  KernelVariant want;
-  want.prefetch = env_int("JAX_SDPA_CUDA_DECODE_L2", -1);  // -1: the kernel's default
-  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_CFG")) {
-    if (std::sscanf(v, "%d,%d", &want.warps, &want.stages) != 2) want.warps = want.stages = 0;
-  }
-  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_TMA")) {
-    int nw = 0, st = 0;
-    if (std::sscanf(v, "%d,%d", &nw, &st) == 2 && nw > 0 && st > 0) {
-      want.tma = true;
-      want.warps = nw;
-      want.stages = st;
-    }
-  }
-  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
-    int nw = 0, st = 0;
-    if (std::sscanf(v, "%d,%d", &nw, &st) == 2) {
-      want.wide = true;
-      want.warps = nw;
-      want.stages = st;
-    }
-  }
-  const char* wide_tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE_TMA");
-  if (wide_tma_env != nullptr) {
-    int nw = 0, st = 0, kt = 0;
-    if (std::sscanf(wide_tma_env, "%d,%d,%d", &nw, &st, &kt) == 3 && nw > 0 && st > 0) {
-      want.wide = want.tma = true;
-      want.warps = nw;
-      want.stages = st;
-      want.step_tiles = kt;
-    }
-  }
+  const KnobRequest req = knob_request();
+  KernelVariant want = req.want;
   const int64_t min_split_bytes =
       static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", 64))) * 1024;
 
@@ -323,44 +362,17 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
-  // decode_tma_kernel: the default at 16-bit D = Dv = 128 with 8 rows a block where it can
-  // run (sm_90+, K / V strides a tensor map can describe; JAX_SDPA_CUDA_DECODE_TMA=off:
-  // never). H200, GB/s, decode_tc_kernel -> TMA (results/gpu_decode_sweep_20261130T1514):
-  // B8 H32/KV8 Lk8192 3323 -> 3592 (W8 S2), B1 Lk32768 2784 -> 2965 (W8 S2), B64 Lk2048
-  // 3661 -> 4006 (W4 S2: two blocks an SM beat W8's one once the units fill the SMs). At 16
-  // rows a block (R 64, B8 Lk4096) it took 174.6 us where cuDNN took 113.2
-  // (results/gpu_decode_crossover_20261130T1522.json; decode_tc_kernel was within 1.06x of
-  // cuDNN there, _T1344): so not there.
-  const char* tma_env = std::getenv("JAX_SDPA_CUDA_DECODE_TMA");
-  const bool tma_off = tma_env != nullptr && std::strcmp(tma_env, "off") == 0;
-  const KernelVariant plain = default_request();
-  const bool tma_default = want == plain && !tma_off &&
-                           rb == 8 && p.dtype != DType::kF32 && p.head_dim == 128 &&
-                           p.head_dim_v == 128;
-  // decode_wide_tma_kernel: the default at 16-bit D = Dv = 512 where it can run (sm_90+,
-  // mappable strides; JAX_SDPA_CUDA_DECODE_WIDE_TMA=off: never), NW4 S6.
-  const bool wide_tma_off = wide_tma_env != nullptr && std::strcmp(wide_tma_env, "off") == 0;
-  const bool wide_tma_default = want == plain && !wide_tma_off && rb == 8 &&
-                                p.dtype != DType::kF32 && p.head_dim == 512 &&
-                                p.head_dim_v == 512;
-  const bool wide_tma = want.tma && want.wide;
-  const bool tma_ok = (want.tma || tma_default || wide_tma_default) && f.cc_major >= 9 &&
-                      p.dtype != DType::kF32 &&
-                      (wide_tma || wide_tma_default ? tma_mappable(p, kTileKeys, true)
-                                                    : tma_mappable(p, 64, false));
-  if (tma_default && tma_ok) {
-    const int64_t units0 = p.batch * p.heads_kv * ((R + rb - 1) / rb);
-    want.tma = true;
-    want.warps = units0 >= f.sms ? 4 : 8;
-    want.stages = 2;
-    want.prefetch = 0;
-  }
-  if (wide_tma_default && tma_ok) {
-    want.tma = want.wide = true;
-    want.warps = 4;
-    want.stages = 6;
-    want.step_tiles = 2;
-  }
+  // A TMA kernel (asked for, or the default for these dims) runs where it can: sm_90+,
+  // 16 bits, K / V strides a tensor map can describe (a trial encode).
+  KernelVariant dflt;
+  const bool tma_dflt = want == default_request() &&
+                        tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req,
+                                    &dflt);
+  const KernelVariant& tma_want = tma_dflt ? dflt : want;
+  const bool tma_ok = tma_want.tma && f.cc_major >= 9 && p.dtype != DType::kF32 &&
+                      (tma_want.wide ? tma_mappable(p, kTileKeys, true)
+                                     : tma_mappable(p, 64, false));
+  if (tma_dflt && tma_ok) want = dflt;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   if (k.variant.tma && !tma_ok) {

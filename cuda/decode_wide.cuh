@@ -15,6 +15,8 @@
 // Fragment layouts are decode_tc_kernel's (decode_attention.cuh).
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/decode_attention.cuh"
 
 namespace jax_sdpa {
@@ -87,11 +89,35 @@ __device__ __forceinline__ void wide_softmax(const Args& a, const RowInfo& row, 
   for (int e = 0; e < NP / 2; ++e) pb[e] = pack2<T>(p[2 * e], p[2 * e + 1]);
 }
 
-// The end of a wide kernel's warp: row g's sum over the quad, then the stats of this
-// thread's two output rows (query rows 2t and 2t + 1 of the block: O^T's columns) and
-// its output columns dv_of(c, j) (acc[c][j]: dv, dv + 1), as the output and lse (one
-// split) or as normalized partials for combine_kernel. stats_warp: this warp writes the
-// lse (every warp holds the same stats).
+// The end of one output row of a wide kernel (block row rr, its log2-domain max M and
+// sum L): with one split, put(out row, scale) writes the thread's outputs times the
+// row's normalizer, and the lse; with several, put(partial row, 1 / L) writes normalized
+// partials for combine_kernel, and the split's lse. stats_writer: this thread writes the
+// lse (every warp holds the same stats). Rows past the group are skipped.
+template <typename T, int DV, typename Put>
+__device__ __forceinline__ void wide_finish_row(const Args& a, int b, int kvh, int r0, int rr,
+                                                int split, int qlen, float M, float L,
+                                                bool stats_writer, Put put) {
+  const int r = r0 + rr;
+  if (r >= a.R) return;
+  const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+  const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+  if (a.nsplit == 1) {
+    float scale, lse;
+    row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
+    if (stats_writer) a.lse[grow] = lse;
+    put(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i), scale);
+  } else {
+    const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
+    const float scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
+    if (stats_writer) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+    put(a.part_o + pr * DV, scale);
+  }
+}
+
+// The end of a 16-bit wide kernel's warp: row g's sum over the quad, then this thread's
+// two output rows (query rows 2t and 2t + 1 of the block: O^T's columns), its output
+// columns dv_of(c, j) (acc[c][j]: dv, dv + 1). stats_warp: this warp writes the lse.
 template <typename T, int DV, int NVC, typename DvOf>
 __device__ __forceinline__ void wide_store(const Args& a, const float (&acc)[NVC][4][4],
                                            float m_run, float l_run, int b, int kvh, int r0,
@@ -104,34 +130,22 @@ __device__ __forceinline__ void wide_store(const Args& a, const float (&acc)[NVC
     const int rr = 2 * t + q;
     const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
     const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
-    const int r = r0 + rr;
-    if (r >= a.R) continue;
-    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
-    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
-    const bool stats_writer = stats_warp && g == 0;
-    if (a.nsplit == 1) {
-      float scale, lse;
-      row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
-      if (stats_writer) a.lse[grow] = lse;
-      T* dst = reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i);
+    wide_finish_row<T, DV>(a, b, kvh, r0, rr, split, qlen, M, L, stats_warp && g == 0,
+                           [&](auto* dst, float scale) {
 #pragma unroll
-      for (int c = 0; c < NVC; ++c)
+                             for (int c = 0; c < NVC; ++c)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          *reinterpret_cast<uint32_t*>(dst + dv_of(c, j)) =
-              pack2<T>(acc[c][j][q] * scale, acc[c][j][q + 2] * scale);
-    } else {
-      const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
-      const float scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
-      if (stats_writer) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
-      float* dst = a.part_o + pr * DV;
-#pragma unroll
-      for (int c = 0; c < NVC; ++c)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          *reinterpret_cast<float2*>(dst + dv_of(c, j)) =
-              make_float2(acc[c][j][q] * scale, acc[c][j][q + 2] * scale);
-    }
+                               for (int j = 0; j < 4; ++j) {
+                                 const float x0 = acc[c][j][q] * scale;
+                                 const float x1 = acc[c][j][q + 2] * scale;
+                                 if constexpr (std::is_same_v<decltype(dst), float*>)
+                                   *reinterpret_cast<float2*>(dst + dv_of(c, j)) =
+                                       make_float2(x0, x1);
+                                 else
+                                   *reinterpret_cast<uint32_t*>(dst + dv_of(c, j)) =
+                                       pack2<T>(x0, x1);
+                               }
+                           });
   }
 }
 

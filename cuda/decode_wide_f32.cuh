@@ -18,7 +18,7 @@
 // Keys past the split are zero-filled by the copies and masked.
 #pragma once
 
-#include "cuda/decode_attention.cuh"
+#include "cuda/decode_wide.cuh"
 
 namespace jax_sdpa {
 namespace cuda_decode {
@@ -204,25 +204,12 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
     const int rr = 4 * rh + r;
     const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
     const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
-    const int rq = r0 + rr;
-    if (rq >= a.R) continue;
-    const int h = kvh * a.G + rq / a.Lq, i = rq % a.Lq;
-    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
-    const int dv = w * Cfg::DVW + 4 * cv;
-    const bool stats_writer = w == 0 && cv == 0;
-    if (a.nsplit == 1) {
-      float scale, lse;
-      row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
-      if (stats_writer) a.lse[grow] = lse;
-      *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.out) + out_offset(a, b, h, i) + dv) =
-          make_float4(acc[r][0] * scale, acc[r][1] * scale, acc[r][2] * scale, acc[r][3] * scale);
-    } else {
-      const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
-      const float scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
-      if (stats_writer) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
-      *reinterpret_cast<float4*>(a.part_o + pr * DV + dv) =
-          make_float4(acc[r][0] * scale, acc[r][1] * scale, acc[r][2] * scale, acc[r][3] * scale);
-    }
+    wide_finish_row<float, DV>(a, b, kvh, r0, rr, split, qlen, M, L, w == 0 && cv == 0,
+                               [&](float* dst, float scale) {
+                                 *reinterpret_cast<float4*>(dst + w * Cfg::DVW + 4 * cv) =
+                                     make_float4(acc[r][0] * scale, acc[r][1] * scale,
+                                                 acc[r][2] * scale, acc[r][3] * scale);
+                               });
   }
 }
 
