@@ -23,6 +23,8 @@ steps=${*:-build tests probe bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 repo=$(pwd)
 say() { echo "== $(date -u +%T) $*"; }
+# A knob setting "A=1+B=2" (or "-": none) as env assignments JAX_SDPA_CUDA_DECODE_A=1 ...
+knob_env() { [ "$1" = "-" ] || echo "$1" | tr '+' '\n' | sed 's/^/JAX_SDPA_CUDA_DECODE_/'; }
 rc=0
 
 say "machine"
@@ -95,7 +97,7 @@ if has decode_check; then
      --out "$OUT" 2>&1 | tail -6) || rc=1
   for knob in ${DECODE_CHECK_KNOBS:-}; do
     say "decode check, JAX_SDPA_CUDA_DECODE_$knob"
-    (cd /tmp && env $(echo "$knob" | tr '+' '\n' | sed 's/^/JAX_SDPA_CUDA_DECODE_/') timeout 150 python3 -P \
+    (cd /tmp && env $(knob_env "$knob") timeout 150 python3 -P \
        $repo/benchmarks/gpu_decode.py --module --only check --out /tmp 2>&1 \
        | grep -E "^FAIL|^ERR|check:" | tail -12) || rc=1
   done
@@ -132,7 +134,7 @@ if has decode_ncu; then
   peers=${NCU_PEERS-cudnn}
   for knob in ${NCU_KNOBS:--}; do
     echo "=== setting $knob" >> "$OUT/decode_ncu.txt"
-    (cd /tmp && env $( [ "$knob" = "-" ] || echo "$knob" | tr '+' '\n' | sed 's/^/JAX_SDPA_CUDA_DECODE_/') \
+    (cd /tmp && env $(knob_env "$knob") \
      timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:'decode_|flash|sdpa|combine|gemm|fusion' --section SpeedOfLight --section LaunchStats \
      --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
