@@ -25,6 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_decode as gd  # noqa: E402
 
 ROWS = gd.BENCH_ROWS[:5]
+# Host cost per call (--host): decode calls so small that the GPU work is a few us, so
+# the wall time per call is what the host spends issuing one (the FFI handler's planning,
+# tensor-map encoding and launches; XLA's own launches for the peers). (name, dt, B, Hq,
+# Hk, Lk, D): one split at D128; split-K + combine at D512.
+HOST_ROWS = [("host B1 H32/KV8 Lk64 D128", "bf16", 1, 32, 8, 64, 128),
+             ("host B1 H32/KV4 Lk512 D512", "fp16", 1, 32, 4, 512, 512)]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 
@@ -108,6 +114,7 @@ def main():
     ap.add_argument("--rows", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--host", action="store_true", help="also the HOST_ROWS (host cost a call)")
     args = ap.parse_args()
     gd.register(use_module=True)
     picked = range(len(ROWS)) if not args.rows else [int(i) for i in args.rows.split(",")]
@@ -118,8 +125,10 @@ def main():
     tiny = profile_one("tiny", lambda q, k, v: q * 2, (x, x, x), args.K)
     print("tiny op loop:", json.dumps(tiny)[:400], flush=True)
     results["tiny"] = tiny
-    for row_index in picked:
-        name, dt, B, Hq, Hk, Lk, D = ROWS[row_index]
+    todo = [(i, ROWS[i]) for i in picked]
+    if args.host:
+        todo += [(None, r) for r in HOST_ROWS]
+    for row_index, (name, dt, B, Hq, Hk, Lk, D) in todo:
         q, k, v = gd._row_inputs(dt, B, Hq, Hk, Lk, D)
         esz = jnp.dtype(gd.DTYPES[dt]).itemsize
         nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
