@@ -27,7 +27,9 @@ def main():
     args = ap.parse_args()
     gd.register(use_module=True)
     for i in args.rows.split(","):
-        name, dt, B, Hq, Hk, Lk, D = gd.BENCH_ROWS[int(i)]
+        # "h0", "h1": gd.HOST_ROWS (tiny calls: the kernels' fixed costs)
+        row = gd.HOST_ROWS[int(i[1:])] if i.startswith("h") else gd.BENCH_ROWS[int(i)]
+        name, dt, B, Hq, Hk, Lk, D = row
         q, k, v = gd._row_inputs(dt, B, Hq, Hk, Lk, D)
         f = jax.jit(lambda q, k, v: gd.ours(q, k, v)[0])
         for _ in range(2):

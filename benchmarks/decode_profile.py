@@ -25,12 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_decode as gd  # noqa: E402
 
 ROWS = gd.BENCH_ROWS[:5]
-# Host cost per call (--host): decode calls so small that the GPU work is a few us, so
-# the wall time per call is what the host spends issuing one (the FFI handler's planning,
-# tensor-map encoding and launches; XLA's own launches for the peers). (name, dt, B, Hq,
-# Hk, Lk, D): one split at D128; split-K + combine at D512.
-HOST_ROWS = [("host B1 H32/KV8 Lk64 D128", "bf16", 1, 32, 8, 64, 128),
-             ("host B1 H32/KV4 Lk512 D512", "fp16", 1, 32, 4, 512, 512)]
+HOST_ROWS = gd.HOST_ROWS  # --host: tiny calls, wall time a call = the host's cost
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 

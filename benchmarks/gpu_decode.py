@@ -393,6 +393,13 @@ BENCH_ROWS = [
     ("B64 H32/KV8 Lk2048 D128 fp32", "fp32", 64, 32, 8, 2048, 128),
     ("B1 H32/KV8 Lk8192 D256", "bf16", 1, 32, 8, 8192, 256),
 ]
+# Host cost per call (decode_profile.py --host; decode_ncu.py rows h0, h1): decode calls so
+# small that the GPU work is a few us, so the wall time a call is what the host spends
+# issuing one (the FFI handler's planning, tensor-map encoding and launches; XLA's own
+# launches for the peers) and the kernels' times are their fixed costs. One split at D128;
+# split-K + combine at D512.
+HOST_ROWS = [("host B1 H32/KV8 Lk64 D128", "bf16", 1, 32, 8, 64, 128),
+             ("host B1 H32/KV4 Lk512 D512", "fp16", 1, 32, 4, 512, 512)]
 
 
 def _row_inputs(dt, B, Hq, Hk, Lk, D, Lq=1, seed=1):

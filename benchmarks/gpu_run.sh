@@ -142,7 +142,7 @@ if has decode_ncu; then
      --peers "$peers" >> "$OUT/decode_ncu.txt" 2>&1) || rc=1
     peers=""
   done
-  grep -E "^=== setting|^  [a-zA-Z_ ]*(void|sdpa|cudnn|flash|gemm|fusion|loop)|Duration|DRAM Through|L2 Hit|Registers Per" \
+  grep -E "^=== setting|^  [a-zA-Z_ ]*(void|sdpa|cudnn|flash|gemm|fusion|loop)|Duration|DRAM Through|L2 Hit|Registers Per|Elapsed Cycles|SM Active Cycles" \
      "$OUT/decode_ncu.txt" | head -150
 fi
 if has flash_check; then

@@ -9,9 +9,11 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cudaTypedefs.h>
+#include <unistd.h>  // environ  // PFN_cuTensorMapEncodeTiled
 
 #include "decode_attention.h"
 #include "decode_attention_kernels.h"
@@ -175,7 +177,7 @@ bool tma_mappable(const SdpaParams& p, int box_keys, bool chunk_boxes) {
   return encode_kv_maps(any, any, ks, vs, static_cast<int>(p.batch), static_cast<int>(p.heads_kv),
                         static_cast<int>(p.len_kv), p.dtype == DType::kBF16,
                         static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v), box_keys,
-                        chunk_boxes, &maps) == cudaSuccess;
+                        chunk_boxes, 128, &maps) == cudaSuccess;
 }
 
 // The request with no knob set. Without the TMA default applied (make_plan): also what
@@ -192,6 +194,7 @@ struct KnobRequest {
   KernelVariant want;
   bool tma_off = false;       // JAX_SDPA_CUDA_DECODE_TMA=off
   bool wide_tma_off = false;  // JAX_SDPA_CUDA_DECODE_WIDE_TMA=off
+  bool wide_off = false;      // JAX_SDPA_CUDA_DECODE_WIDE=off
 };
 KnobRequest knob_request() {
   KnobRequest r;
@@ -216,6 +219,7 @@ KnobRequest knob_request() {
   }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE")) {
     if (shape(v, 2, false)) r.want.wide = true;
+    r.wide_off = std::strcmp(v, "off") == 0;
   }
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WIDE_TMA")) {
     if (shape(v, 3, true)) r.want.wide = r.want.tma = true;
@@ -274,7 +278,7 @@ WorkspaceLayout workspace_layout(const SdpaParams& p, int num_splits, int64_t un
 
 cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
-                           int box_keys, bool chunk_boxes, TmaMaps* maps) {
+                           int box_keys, bool chunk_boxes, int l2, TmaMaps* maps) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || d % 64 != 0 || dv % 64 != 0 || box_keys > 256)
     return cudaErrorNotSupported;
@@ -287,8 +291,8 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
   std::sort(order, order + 3, [&](int x, int y) { return kst[x] < kst[y]; });
   // L2 fetch size: 128 bytes. H200, GB/s at 256 / 128 / none (TMA W8 S3, results/
   // gpu_decode_sweep_20261130T1513.json): B8 Lk8192 3386 / 3589 / 3570, B1 Lk32768 2862 /
-  // 2950 / 2958, B64 Lk2048 3670 / 3855 / 3849. Knob JAX_SDPA_CUDA_DECODE_TMA_L2=0|64|128|256.
-  const int l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", 128);
+  // 2950 / 2958, B64 Lk2048 3670 / 3855 / 3849. Knob JAX_SDPA_CUDA_DECODE_TMA_L2=0|64|128|256
+  // (make_plan reads it into the plan).
   const CUtensorMapL2promotion promotion =
       l2 == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
               : (l2 == 64 ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
@@ -341,8 +345,11 @@ std::string unsupported_reason(const SdpaParams& p) {
   return "";
 }
 
-cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
-                      DecodePlan* plan) {
+namespace {
+
+// make_plan's work on a cache miss (knobs read here; make_plan keys the cache on them).
+cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_bytes,
+                          DecodePlan* plan) {
   DeviceFacts f;
   cudaError_t e = device_facts(device, &f);
   if (e != cudaSuccess) return e;
@@ -389,6 +396,23 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
     smaller.stages = ws.second;
     KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, smaller);
     if (alt.func != nullptr && alt.smem < k.smem) k = alt;
+  }
+  if (p.dtype == DType::kF32 && p.head_dim == 512 && p.head_dim_v == 512 &&
+      want == default_request() && !req.wide_off) {
+    // fp32 D = Dv = 512: decode_wide_f32_kernel, NW8 S3 (S2 where its 202 KB don't fit).
+    // H200, B1 H32/KV4 Lk8192: 2258 GB/s (S2 2129) where decode_simt_kernel streamed 1374
+    // (results/gpu_decode_sweep_20261130T1818.json).
+    for (const int stages : {3, 2}) {
+      KernelVariant wide;
+      wide.wide = true;
+      wide.warps = 8;
+      wide.stages = stages;
+      const KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, wide);
+      if (alt.func != nullptr && alt.variant.wide && alt.smem <= f.max_smem_optin) {
+        k = alt;
+        break;
+      }
+    }
   }
   if (k.smem > f.max_smem_optin) return cudaErrorInvalidConfiguration;
   int occ = 1;
@@ -450,6 +474,7 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
   else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48 && !k.variant.tma;
   plan->fused_combine = fused;
   plan->workspace = workspace_layout(p, n, units, fused);
+  plan->tma_l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", 128);
   if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
     char line[384];
     std::snprintf(line, sizeof(line),
@@ -475,6 +500,107 @@ cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
       std::fputs(line, stderr);
     }
   }
+  return cudaSuccess;
+}
+
+// The JAX_SDPA_CUDA_DECODE_* entries of the environment, verbatim: one pass over it
+// (a knob changed between calls makes a new plan).
+std::string knob_snapshot() {
+  static constexpr char kPrefix[] = "JAX_SDPA_CUDA_DECODE_";
+  std::string s;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e)
+    if (std::strncmp(*e, kPrefix, sizeof(kPrefix) - 1) == 0) {
+      s += *e;
+      s += '\n';
+    }
+  return s;
+}
+
+// What a plan depends on: the call's shapes, strides and flags (not its pointers), the
+// workspace size, the device and the knobs.
+std::string plan_key(const SdpaParams& p, int device, size_t workspace_bytes) {
+  const int64_t f[] = {p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv, p.head_dim,
+                       p.head_dim_v, static_cast<int64_t>(p.dtype), p.seq_major,
+                       p.q_stride[0], p.q_stride[1], p.q_stride[2], p.k_stride[0],
+                       p.k_stride[1], p.k_stride[2], p.v_stride[0], p.v_stride[1],
+                       p.v_stride[2], p.o_stride[0], p.o_stride[1], p.o_stride[2],
+                       p.window_left, p.window_right, p.bottom_right,
+                       static_cast<int64_t>(p.mask_kind), static_cast<int64_t>(p.mask_dtype),
+                       p.mask_stride[0], p.mask_stride[1], p.mask_stride[2], p.mask_stride[3],
+                       p.sinks != nullptr, p.sinks_batch_stride, p.q_lengths != nullptr,
+                       p.kv_lengths != nullptr, device, static_cast<int64_t>(workspace_bytes)};
+  std::string key(reinterpret_cast<const char*>(f), sizeof(f));
+  key += knob_snapshot();
+  return key;
+}
+
+std::mutex g_plan_mu;
+std::unordered_map<std::string, DecodePlan> g_plans;
+
+// The last tensor maps encoded, by everything the encoding reads: a decode step under
+// jit reuses its cache buffers call after call, so most calls skip the driver's encoder.
+struct MapsKey {
+  const void* k;
+  const void* v;
+  int64_t ks[3], vs[3];
+  int dims[9];  // B, Hk, Lk, bf16, d, dv, box_keys, chunk_boxes, l2
+  bool operator==(const MapsKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
+};
+constexpr int kMapsCached = 16;
+std::mutex g_maps_mu;
+MapsKey g_maps_key[kMapsCached];
+TmaMaps g_maps[kMapsCached];
+int g_maps_used = 0, g_maps_next = 0;
+
+cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, bool bf16, int d, int dv, int l2,
+                           TmaMaps* maps) {
+  MapsKey key;
+  std::memset(&key, 0, sizeof(key));  // padding too: the key is compared bytewise
+  key.k = a.k;
+  key.v = a.v;
+  for (int i = 0; i < 3; ++i) {
+    key.ks[i] = a.ks[i];
+    key.vs[i] = a.vs[i];
+  }
+  const int dims[9] = {a.B, a.Hk, a.Lk, bf16, d, dv, k.tma_box_keys, k.tma_chunk_boxes, l2};
+  std::memcpy(key.dims, dims, sizeof(dims));
+  std::lock_guard<std::mutex> lock(g_maps_mu);
+  for (int i = 0; i < g_maps_used; ++i)
+    if (g_maps_key[i] == key) {
+      *maps = g_maps[i];
+      return cudaSuccess;
+    }
+  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk, bf16, d, dv,
+                                 k.tma_box_keys, k.tma_chunk_boxes, l2, maps);
+  if (e != cudaSuccess) return e;
+  const int slot = g_maps_used < kMapsCached ? g_maps_used++ : g_maps_next;
+  g_maps_next = (slot + 1) % kMapsCached;
+  g_maps_key[slot] = key;
+  g_maps[slot] = *maps;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+// Plans are cached: planning reads the environment and the device's attributes and
+// trial-encodes tensor maps, several microseconds of host time a call (H200: ours
+// 11.8 us of wall time a tiny call where cuDNN's took 5.9).
+cudaError_t make_plan(const SdpaParams& p, int device, size_t workspace_bytes,
+                      DecodePlan* plan) {
+  const std::string key = plan_key(p, device, workspace_bytes);
+  {
+    std::lock_guard<std::mutex> lock(g_plan_mu);
+    auto it = g_plans.find(key);
+    if (it != g_plans.end()) {
+      *plan = it->second;
+      return cudaSuccess;
+    }
+  }
+  cudaError_t e = plan_uncached(p, device, workspace_bytes, plan);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(g_plan_mu);
+  if (g_plans.size() >= 4096) g_plans.clear();  // a bound for processes of many shapes
+  g_plans.emplace(key, *plan);
   return cudaSuccess;
 }
 
@@ -544,14 +670,22 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   }
 
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
-  cudaError_t e = k.launch(a, grid, k.threads, k.smem, stream);
+  cudaError_t e = cudaSuccess;
+  if (k.tma_box_keys > 0) {
+    TmaMaps maps;
+    e = cached_kv_maps(a, k, p.dtype == DType::kBF16, static_cast<int>(p.head_dim),
+                       static_cast<int>(p.head_dim_v), plan.tma_l2, &maps);
+    if (e == cudaSuccess) e = k.launch(a, &maps, grid, k.threads, k.smem, stream);
+  } else {
+    e = k.launch(a, nullptr, grid, k.threads, k.smem, stream);
+  }
   if (e == cudaErrorNotSupported && k.variant.tma) {
     // The tensor maps refused these pointers (not 16-byte aligned): decode_tc_kernel
     // serves the same plan (any split count; the workspace depends on the count only).
     KernelInfo tc = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
                                   default_request());
     if (tc.func == nullptr) return cudaErrorInvalidValue;
-    e = tc.launch(a, grid, tc.threads, tc.smem, stream);
+    e = tc.launch(a, nullptr, grid, tc.threads, tc.smem, stream);
   }
   if (e != cudaSuccess) return e;
   if (plan.num_splits > 1 && !plan.fused_combine) {

@@ -71,6 +71,7 @@ struct DecodePlan {
   KernelVariant kernel;        // the main kernel
   bool fused_combine = false;  // last split block merges (no combine launch)
   WorkspaceLayout workspace;   // where the partials / counters go (bytes <= workspace given)
+  int tma_l2 = 128;            // TMA kernels: their tensor maps' L2 fetch bytes
 };
 
 // Empty when our kernels can serve `p`, else why not (shown to the user).
@@ -79,17 +80,19 @@ std::string unsupported_reason(const SdpaParams& p);
 // Chooses splits / rows per block for the current device. The split count is lowered
 // until the partials fit in `workspace_bytes` (1 split needs none), and the fused combine
 // becomes the separate kernel when its counters do not fit. Returns a CUDA error on
-// failure. Per-call environment overrides (read on every call -- once per recording when
-// XLA captures the call into a CUDA graph -- so one process can time several settings, one
-// executable each; docs/cuda_decode.md):
+// failure. Plans are cached by the call's shapes, strides and flags, the workspace size,
+// the device and the environment overrides below (a changed setting makes a new plan, so
+// one process can time several settings, one executable each; docs/cuda_decode.md):
 //   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the heuristic)
 //   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel   how split partials merge (auto: fused
 //                                     when the last block's merge is short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_L2=0|128|256|132  L2 mode of the K/V copies, where built (unset:
 //                                     128; 132: 128 with the lines marked evict-first)
-//   JAX_SDPA_CUDA_DECODE_WIDE=NW,S    the wide-head kernel (D = Dv in {256, 512}, <= 8 rows
-//                                     a block): NW warps splitting the head dims, S stages
+//   JAX_SDPA_CUDA_DECODE_WIDE=NW,S|off  the wide-head kernel (D = Dv in {256, 512}, <= 8
+//                                     rows a block): NW warps splitting the head dims, S
+//                                     stages; on fp32 (D = Dv = 512: the default there, NW8
+//                                     S3) decode_wide_f32_kernel; off: never
 //   JAX_SDPA_CUDA_DECODE_TMA=W,S|off  decode_tma_kernel (sm_90+, 16-bit D = Dv = 128; the
 //                                     default there): W consumer warps, S stages of 16 W
 //                                     keys; off: never

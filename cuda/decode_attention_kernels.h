@@ -34,12 +34,15 @@ namespace cuda_decode {
 
 struct KernelInfo {
   const void* func = nullptr;
-  cudaError_t (*launch)(const Args&, dim3, int, size_t, cudaStream_t) = nullptr;
+  // The launch; a TMA kernel (tma_box_keys > 0) takes the call's K / V tensor maps.
+  cudaError_t (*launch)(const Args&, const TmaMaps*, dim3, int, size_t, cudaStream_t) = nullptr;
   void (*combine)(const Args&, dim3, cudaStream_t) = nullptr;
   int threads = 0;
   size_t smem = 0;
   bool tensor_cores = false;
   KernelVariant variant;  // what it is (W, S for the split heuristic and reports)
+  int tma_box_keys = 0;          // TMA kernels: keys a box of their tensor maps
+  bool tma_chunk_boxes = false;  // ... and one 64-wide chunk a box (encode_kv_maps)
 };
 
 // Null func when (d, dv) is not built. rows16: 16 query rows per block. A variant that
@@ -75,7 +78,7 @@ template <auto Kernel, typename T, int DV>
 KernelInfo kernel_info(int threads, size_t smem, bool tensor_cores, KernelVariant variant) {
   return describe<T, DV>(
       reinterpret_cast<const void*>(Kernel),
-      [](const Args& a, dim3 grid, int threads, size_t smem, cudaStream_t st) {
+      [](const Args& a, const TmaMaps*, dim3 grid, int threads, size_t smem, cudaStream_t st) {
         Kernel<<<grid, threads, smem, st>>>(a);
         return cudaGetLastError();
       },
@@ -123,24 +126,19 @@ struct TcDefault {
 // The K and V tensor maps of the TMA kernels: 5-D (64 elements, D / 64 chunks, then kv
 // head, key and batch ordered by stride), boxes of box_keys keys and all the chunks
 // (decode_tma_kernel) or one chunk (chunk_boxes: decode_wide_tma_kernel, one copy per
-// chunk), 128-byte swizzle, zeros past the tensor. Any pointer works for a trial (plan
-// time: can these strides be mapped?).
+// chunk), 128-byte swizzle, zeros past the tensor, l2_bytes the L2 fetch size (0, 64,
+// 128, 256). Any pointer works for a trial (plan time: can these strides be mapped?).
 cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
-                           int box_keys, bool chunk_boxes, TmaMaps* maps);
+                           int box_keys, bool chunk_boxes, int l2_bytes, TmaMaps* maps);
 
-// A TMA kernel's launch: the call's K / V tensor maps (boxes of BOX_KEYS keys, one chunk
-// a box with CHUNK_BOXES: encode_kv_maps), then the kernel; cudaErrorNotSupported when
-// the pointers do not map (launch() then runs decode_tc_kernel).
-template <auto Kernel, typename T, int D, int DV, int BOX_KEYS, bool CHUNK_BOXES>
-cudaError_t launch_with_maps(const Args& a, dim3 grid, int threads, size_t smem,
-                             cudaStream_t st) {
-  TmaMaps maps;
-  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk,
-                                 std::is_same<T, __nv_bfloat16>::value, D, DV, BOX_KEYS,
-                                 CHUNK_BOXES, &maps);
-  if (e != cudaSuccess) return e;
-  Kernel<<<grid, threads, smem, st>>>(a, maps);
+// A TMA kernel's launch with the call's maps (launch() encodes them, or reuses the
+// last encoding of the same pointers and shapes).
+template <auto Kernel>
+cudaError_t launch_with_maps(const Args& a, const TmaMaps* maps, dim3 grid, int threads,
+                             size_t smem, cudaStream_t st) {
+  if (maps == nullptr) return cudaErrorInvalidValue;
+  Kernel<<<grid, threads, smem, st>>>(a, *maps);
   return cudaGetLastError();
 }
 
@@ -149,9 +147,10 @@ KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
   constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S>;
-  return describe<T, DV>(reinterpret_cast<const void*>(kernel),
-                         &launch_with_maps<kernel, T, D, DV, Cfg::kKeys, false>, Cfg::kThreads,
-                         Cfg::kSmem, true, KernelVariant{W, S, 0, false, true});
+  KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel), &launch_with_maps<kernel>,
+                                 Cfg::kThreads, Cfg::kSmem, true, KernelVariant{W, S, 0, false, true});
+  k.tma_box_keys = Cfg::kKeys;  // one box a stage: all of D
+  return k;
 }
 
 // decode_tma_kernel variants (D = Dv = 128): W consumer warps x S stages of 16 W keys
@@ -176,9 +175,12 @@ KernelInfo wide_tma_info() {
   using Cfg = WideTmaConfig<T, D, DV, NW, S, KT>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_wide_tma_kernel: too much shared memory");
   constexpr auto kernel = &decode_wide_tma_kernel<T, D, DV, NW, S, KT>;
-  return describe<T, DV>(reinterpret_cast<const void*>(kernel),
-                         &launch_with_maps<kernel, T, D, DV, kTileKeys, true>, Cfg::kThreads,
-                         Cfg::kSmem, true, KernelVariant{NW, S, 0, true, true, KT});
+  KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel), &launch_with_maps<kernel>,
+                                 Cfg::kThreads, Cfg::kSmem, true,
+                                 KernelVariant{NW, S, 0, true, true, KT});
+  k.tma_box_keys = kTileKeys;  // one box a 64-wide chunk of a stage
+  k.tma_chunk_boxes = true;
+  return k;
 }
 
 // decode_wide_tma_kernel variants: NW consumer warps x S stages of 16 keys, KT stages a

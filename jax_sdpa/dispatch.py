@@ -210,6 +210,9 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
         return _no(f"the decode kernel is built for head dims (D, Dv) in "
                    f"{sorted(CUDA_DECODE_HEAD_DIMS)}, not {dims}")
     if cfg.dtype == np.dtype(np.float32):
+        if dims == (512, 512):
+            return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA "
+                       "cores, the warps split the head dims, cuda/decode_wide_f32.cuh)")
         return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA cores)")
     if dims == (128, 128) and cfg.group * cfg.len_q <= 8:
         return _ok("our decode kernel (split-K over the kv cache; tensor cores, K/V fed by TMA "

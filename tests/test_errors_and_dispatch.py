@@ -253,7 +253,7 @@ def test_cuda_serves_with_the_right_kernel(fake_h200, kwargs, direction, kernel)
     (dict(dtype="bfloat16", b=1, hq=8, hk=2, lq=1, lk=512, d=256), "tensor cores)"),
     (dict(dtype="float16", b=1, hq=32, hk=4, lq=1, lk=1024, d=512), "decode_wide_tma"),
     (dict(b=1, hq=8, hk=2, lq=1, lk=512, d=128), "CUDA cores"),  # fp32
-    (dict(b=1, hq=8, hk=2, lq=1, lk=512, d=512), "CUDA cores"),  # fp32 D512
+    (dict(b=1, hq=8, hk=2, lq=1, lk=512, d=512), "decode_wide_f32"),  # fp32 D512
 ])
 def test_cuda_decode_explains_which_kernel(fake_h200, kwargs, says):
     ok, why = fake_h200.cuda_decode_serves(_cfg(**kwargs), "fwd")
