@@ -2,7 +2,8 @@
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
-#                                           decode_profile decode_ncu decode_crossover flash_check api
+#                                           decode_profile decode_ncu decode_ncu_source
+#                                           decode_crossover flash_check api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -145,6 +146,20 @@ if has decode_ncu; then
   grep -E "^=== setting|^  [a-zA-Z_ ]*(void|sdpa|cudnn|flash|gemm|fusion|loop)|Duration|DRAM Through|L2 Hit|Registers Per|Elapsed Cycles|SM Active Cycles" \
      "$OUT/decode_ncu.txt" | head -150
 fi
+if has decode_ncu_source; then
+  # Stall sampling per SASS instruction of our kernels matching NCU_KERNEL on NCU_ROWS:
+  # where the warps wait (benchmarks/ncu_source_top.py prints the top instructions).
+  say "Nsight Compute source page: ${NCU_KERNEL:-decode_} on rows ${NCU_ROWS:-0}"
+  (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
+     -k regex:"${NCU_KERNEL:-decode_}" --section SourceCounters --section WarpStateStats \
+     --warp-sampling-interval 0 --page source --csv --print-source sass \
+     python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} --peers "" \
+     > "$OUT/decode_ncu_source.csv" 2>&1) || rc=1
+  python3 benchmarks/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} \
+     > "$OUT/decode_ncu_source_top.txt" 2>&1 || rc=1
+  head -c 12000 "$OUT/decode_ncu_source_top.txt"
+fi
+
 if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"
   (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \

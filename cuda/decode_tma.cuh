@@ -54,15 +54,17 @@ __device__ __forceinline__ void init_stage_ring(uint64_t* full, uint64_t* empty,
   mbar_init_fence();
 }
 
-// The producer thread's loop: stage `it` of nst (keys key0 + it * keys_per_stage) goes
-// to ring slot it % S once the slot's previous stage was released; issue(slot, slot
-// barrier, c2, c3, c4) starts its copies, at the maps' tensor coordinates of dims 2..4.
+// The producer thread's loop over stages [it0, it1): stage `it` (keys key0 + it *
+// keys_per_stage) goes to ring slot it % S once the slot's previous stage was released;
+// issue(slot, slot barrier, c2, c3, c4) starts its copies, at the maps' tensor
+// coordinates of dims 2..4. The first S stages need no release: the thread that
+// initialized the ring issues them before the block's first barrier (start_ring).
 template <int S, typename Issue>
 __device__ __forceinline__ void produce_stages(const TmaMaps& maps, uint64_t* full,
-                                               uint64_t* empty, uint32_t stage_bytes, int nst,
-                                               int kvh, int b, int key0, int keys_per_stage,
-                                               Issue issue) {
-  for (int it = 0; it < nst; ++it) {
+                                               uint64_t* empty, uint32_t stage_bytes, int it0,
+                                               int it1, int kvh, int b, int key0,
+                                               int keys_per_stage, Issue issue) {
+  for (int it = it0; it < it1; ++it) {
     const int s = it % S;
     if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
     mbar_arrive_expect_tx(&full[s], stage_bytes);
@@ -72,6 +74,25 @@ __device__ __forceinline__ void produce_stages(const TmaMaps& maps, uint64_t* fu
     auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
     issue(s, &full[s], pick(maps.order[0]), pick(maps.order[1]), pick(maps.order[2]));
   }
+}
+
+// The producer thread's first act: fetch both descriptors while the block computes its
+// work and key range.
+__device__ __forceinline__ void prefetch_maps(const TmaMaps& maps) {
+  cuda_common::tma_prefetch_map(&maps.k);
+  cuda_common::tma_prefetch_map(&maps.v);
+}
+
+// The producer thread's start, before the block's first barrier: the ring initialized
+// and the first min(S, nst) stages issued, so that the first bytes are on their way
+// while the block sets up (Q rows).
+template <int S, typename Issue>
+__device__ __forceinline__ void start_ring(const TmaMaps& maps, uint64_t* full, uint64_t* empty,
+                                           int consumers, uint32_t stage_bytes, int nst, int kvh,
+                                           int b, int key0, int keys_per_stage, Issue issue) {
+  init_stage_ring<S>(full, empty, consumers);
+  produce_stages<S>(maps, full, empty, stage_bytes, 0, nst < S ? nst : S, kvh, b, key0,
+                    keys_per_stage, issue);
 }
 
 template <typename T, int D, int DV, int NT, int W, int S>
@@ -135,6 +156,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  if (tid == W * 32) prefetch_maps(maps);
   const BlockWork wk = block_work(a, RB);
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
@@ -142,8 +164,16 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   split_range<TK>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
 
-  if (tid == W * 32) init_stage_ring<S>(full, empty, W);
-  // Q rows of the block -> smem (zeros past the group / chunk), by the consumer warps.
+  // One 16-key tile of K and V of every consumer warp a stage, one copy each.
+  auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
+    unsigned char* st = ring + s * Cfg::kStageBytes;
+    tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
+    tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
+  };
+  const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
+  if (tid == W * 32) start_ring<S>(maps, full, empty, W, stage_bytes, nst, kvh, b, ks0, TK, issue);
+  // Q rows of the block -> smem (zeros past the group / chunk), by the consumer warps,
+  // while the first stages are in flight.
   if (w < W) load_q_rows<T, D, D, 16, RB, W * 32>(Qs, a, b, kvh, r0, tid);
   __syncthreads();
 
@@ -162,12 +192,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
     // Producer: one thread keeps the ring full (a stage is refilled once all W
     // consumers have released it).
     if (lane == 0)
-      produce_stages<S>(maps, full, empty, static_cast<uint32_t>(Cfg::kStageBytes), nst, kvh, b,
-                        ks0, TK, [&](int s, uint64_t* bar, int c2, int c3, int c4) {
-                          unsigned char* st = ring + s * Cfg::kStageBytes;
-                          tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
-                          tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
-                        });
+      produce_stages<S>(maps, full, empty, stage_bytes, S, nst, kvh, b, ks0, TK, issue);
   } else {
     // Consumer warp w: the w-th 16-key tile of every stage.
     const RowInfo rowA = row_info(a, b, kvh, r0 + g, qlen, kvlen);

@@ -81,6 +81,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  if (tid == NW * 32) prefetch_maps(maps);
   const BlockWork wk = block_work(a, RB);
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
@@ -88,23 +89,24 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   split_range<kTileKeys>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
 
-  if (tid == NW * 32) init_stage_ring<S>(full, empty, NW);
+  // One copy per 64-wide chunk tile of a stage's K and V.
+  auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
+    unsigned char* st = ring + s * Cfg::kStageBytes;
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) tma_load_5d(st + c * CB, &maps.k, bar, 0, c, c2, c3, c4);
+#pragma unroll
+    for (int c = 0; c < DV / 64; ++c)
+      tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3, c4);
+  };
+  const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
+  if (tid == NW * 32)
+    start_ring<S>(maps, full, empty, NW, stage_bytes, nst, kvh, b, ks0, kTileKeys, issue);
   __syncthreads();  // the barriers are initialized: from here on only mbarriers and bar 1
 
   if (w == NW) {
     // Producer: one thread; a stage is refilled once all NW consumers released it.
     if (lane == 0)
-      produce_stages<S>(maps, full, empty, static_cast<uint32_t>(Cfg::kStageBytes), nst, kvh, b,
-                        ks0, kTileKeys, [&](int s, uint64_t* bar, int c2, int c3, int c4) {
-                          unsigned char* st = ring + s * Cfg::kStageBytes;
-#pragma unroll
-                          for (int c = 0; c < D / 64; ++c)
-                            tma_load_5d(st + c * CB, &maps.k, bar, 0, c, c2, c3, c4);
-#pragma unroll
-                          for (int c = 0; c < DV / 64; ++c)
-                            tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3,
-                                        c4);
-                        });
+      produce_stages<S>(maps, full, empty, stage_bytes, S, nst, kvh, b, ks0, kTileKeys, issue);
     return;  // no block barrier below: the consumers end on their own
   }
 

@@ -51,6 +51,12 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Starts fetching a tensor map (a __grid_constant__ kernel parameter) into the TMA
+// unit's descriptor cache, so that the first copy does not wait for it.
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // One 5-D tile of `map` at coordinates c0..c4 (innermost first) into shared memory;
 // completion is counted in bytes on `bar`. Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, uint64_t* bar,

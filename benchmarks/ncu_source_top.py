@@ -1,0 +1,75 @@
+"""Summarizes Nsight Compute's source page (ncu --page source --csv --print-source sass):
+for each profiled kernel, the SASS instructions where the warps were sampled most
+(stall sampling), with their share of the kernel's samples. Where the warps wait is
+where the time goes (a mbarrier wait = data not there yet, a global load's first use =
+its latency, a barrier = the slowest warp).
+
+    python3 benchmarks/ncu_source_top.py decode_ncu_source.csv [--top 30]
+"""
+import argparse
+import csv
+import io
+
+
+def _tables(text):
+    """Yields (title lines before the table, header, rows) per CSV table in the file."""
+    lines = text.splitlines()
+    i, title = 0, []
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith('"Address"') or line.startswith('"#","Address"'):
+            header = next(csv.reader(io.StringIO(line)))
+            rows = []
+            i += 1
+            while i < len(lines) and lines[i].startswith('"'):
+                rows.append(next(csv.reader(io.StringIO(lines[i]))))
+                i += 1
+            yield title, header, rows
+            title = []
+        else:
+            if line.strip():
+                title = (title + [line])[-3:]
+            i += 1
+
+
+def _num(x):
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    with open(args.path, errors="replace") as fh:
+        text = fh.read()
+    n = 0
+    for title, header, rows in _tables(text):
+        n += 1
+        print("=" * 100)
+        for t in title:
+            print(t[:160])
+        cols = [c for c in header if "Sampling" in c]
+        print("columns:", ", ".join(header)[:400])
+        if not cols:
+            continue
+        key = next((c for c in cols if "All" in c), cols[0])
+        k = header.index(key)
+        src = header.index("Source") if "Source" in header else 1
+        total = sum(_num(r[k]) for r in rows if len(r) > k) or 1.0
+        print(f"{len(rows)} instructions, {total:.0f} samples ({key})")
+        ranked = sorted((r for r in rows if len(r) > k), key=lambda r: -_num(r[k]))
+        for r in ranked[:args.top]:
+            extra = " ".join(f"{c.split('(')[-1][:12]}={r[header.index(c)]}" for c in cols
+                             if c != key)
+            print(f"{_num(r[k]) / total:6.1%} {r[0]:>8} {r[src][:70]:<70} {extra}")
+    if n == 0:
+        print("no source table found; first lines:")
+        print("\n".join(text.splitlines()[:20]))
+
+
+if __name__ == "__main__":
+    main()
