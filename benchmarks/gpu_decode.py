@@ -473,13 +473,13 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # picks the split-K merge. {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D).
 # (Earlier sweeps' LOCKSTEP, 129, 130, TMA MODE 1 / 2 and PDL were experiments since
 # removed: docs/cuda_decode.md.)
-_WIDE_TMA = [{}, {"WIDE_TMA": "off"}, {"WIDE_TMA": "4,6,1"}, {"WIDE_TMA": "4,6,3"},
-             {"WIDE_TMA": "4,4,2"}, {"WIDE_TMA": "8,6,2"}]
 SWEEP = [
-    (BENCH_ROWS[2], _WIDE_TMA + [{"SPLITS": "16"}]),
-    (BENCH_ROWS[3], _WIDE_TMA + [{"SPLITS": "16"}, {"SPLITS": "8"}]),
-    # fp32 D512: decode_simt_kernel (default) vs decode_wide_f32_kernel (experiment).
-    (BENCH_ROWS[7], [{}, {"WIDE": "8,3"}, {"WIDE": "8,2"}]),
+    # The split-K merge behind decode_tma_kernel: in a cluster (default) vs combine_kernel.
+    (BENCH_ROWS[0], [{}, {"COMBINE": "kernel"}]),
+    (BENCH_ROWS[1], [{}, {"COMBINE": "kernel"}]),
+    (BENCH_ROWS[2], [{}, {"WIDE_TMA": "off"}]),
+    # fp32 D512: decode_wide_f32_kernel (default) vs decode_simt_kernel.
+    (BENCH_ROWS[7], [{}, {"WIDE": "off"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",

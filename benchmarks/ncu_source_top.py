@@ -21,7 +21,8 @@ def _tables(text):
             header = next(csv.reader(io.StringIO(line)))
             rows = []
             i += 1
-            while i < len(lines) and lines[i].startswith('"'):
+            while (i < len(lines) and lines[i].startswith('"')
+                   and not lines[i].startswith('"Kernel Name"')):
                 rows.append(next(csv.reader(io.StringIO(lines[i]))))
                 i += 1
             yield title, header, rows

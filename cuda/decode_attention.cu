@@ -104,6 +104,44 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
   return cudaSuccess;
 }
 
+// The largest cluster (splits of a unit) the cluster merge takes: 16 is the H100 / H200
+// limit with non-portable sizes allowed (8 portable).
+constexpr int kMaxClusterSplits = 16;
+
+// Whether a cluster-merge kernel's grid (units clusters of n blocks) is resident at once:
+// one wave, so that no cluster waits for another to leave its GPC.
+cudaError_t clusters_fit(const KernelInfo& k, int device, int64_t units, int n, bool* fits) {
+  *fits = false;
+  int unused = 0;
+  cudaError_t e = occupancy(k, device, &unused);  // sets the kernel's smem limit
+  if (e != cudaSuccess) return e;
+  if (n > 8) {
+    e = cudaFuncSetAttribute(k.func, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cudaSuccess;  // no large clusters here: the combine kernel merges
+    }
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(n);
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(units), static_cast<unsigned>(n));
+  cfg.blockDim = dim3(static_cast<unsigned>(k.threads));
+  cfg.dynamicSmemBytes = k.smem;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, k.func, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  *fits = clusters >= units;
+  return cudaSuccess;
+}
+
 // Split count. min_keys: least keys per split (enough bytes per block to amortize its
 // start and its partial, and >= 1 tile per warp).
 // - A kernel that keeps copies in flight (stages >= 2) runs best as one block per SM:
@@ -355,10 +393,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   if (e != cudaSuccess) return e;
   // Per-call overrides (docs/cuda_decode.md).
   const int force_splits = env_int("JAX_SDPA_CUDA_DECODE_SPLITS", 0);
-  enum class Combine { kAuto, kKernel, kFused } combine = Combine::kAuto;
+  enum class Combine { kAuto, kKernel, kFused, kCluster } combine = Combine::kAuto;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_COMBINE")) {
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
+    else if (std::strcmp(v, "cluster") == 0) combine = Combine::kCluster;
   }
   const KnobRequest req = knob_request();
   KernelVariant want = req.want;
@@ -456,6 +495,24 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     n = snap_splits(n, p.len_kv, gran);
   }
   plan->num_splits = n;
+  // Behind decode_tma_kernel at 2..16 splits: the splits of a unit merge in a thread-block
+  // cluster (cluster_finish: no partials in global memory, no combine launch), where all
+  // the units' clusters fit the GPU at once.
+  if (k.variant.tma && !k.variant.wide && n >= 2 && n <= kMaxClusterSplits &&
+      (combine == Combine::kAuto || combine == Combine::kCluster)) {
+    KernelVariant cv = k.variant;
+    cv.cluster = true;
+    const KernelInfo ck = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, cv);
+    bool fits = false;
+    if (ck.func != nullptr && ck.variant.cluster) {
+      e = clusters_fit(ck, device, units, n, &fits);
+      if (e != cudaSuccess) return e;
+    }
+    if (fits) {
+      k = ck;
+      plan->kernel = k.variant;
+    }
+  }
   // Auto combine: the last split block of a unit merges n partials of its valid
   // rows with one float4 per thread and split; past ~48 loads per thread (D512
   // at small batch: 33 splits x 8 rows x 128 float4 / 96 threads = 363) that
@@ -467,7 +524,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // The fused combine's counters follow the partials in the workspace; when they
   // do not fit, the separate combine kernel (no counters) merges instead. The wide
   // kernel has no fused merge.
-  const bool fused_ok = !k.variant.wide && n > 1 &&
+  const bool fused_ok = !k.variant.wide && !k.variant.cluster && n > 1 &&
                         workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
   if (combine == Combine::kFused) fused = fused_ok;
@@ -479,7 +536,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
+                  "dtype%d -> %s%s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
                   "smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
@@ -487,10 +544,12 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
                   k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "",
+                  k.variant.cluster ? "cluster " : "",
                   k.variant.warps,
                   k.variant.stages, k.variant.step_tiles, k.variant.prefetch, rb, plan->row_chunks,
                   n, occ, k.smem,
-                  n == 1 ? "none" : (fused ? "fused" : "kernel"), plan->workspace.bytes,
+                  n == 1 ? "none" : (k.variant.cluster ? "cluster" : (fused ? "fused" : "kernel")),
+                  plan->workspace.bytes,
                   workspace_bytes);
     static std::mutex mu;
     static std::string last;
@@ -671,6 +730,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
 
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
   cudaError_t e = cudaSuccess;
+  bool ran_tma = k.tma_box_keys > 0;  // false once the cp.async fallback below runs
   if (k.tma_box_keys > 0) {
     TmaMaps maps;
     e = cached_kv_maps(a, k, p.dtype == DType::kBF16, static_cast<int>(p.head_dim),
@@ -686,9 +746,10 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
                                   default_request());
     if (tc.func == nullptr) return cudaErrorInvalidValue;
     e = tc.launch(a, nullptr, grid, tc.threads, tc.smem, stream);
+    ran_tma = false;
   }
   if (e != cudaSuccess) return e;
-  if (plan.num_splits > 1 && !plan.fused_combine) {
+  if (plan.num_splits > 1 && !plan.fused_combine && !(ran_tma && plan.kernel.cluster)) {
     // kCombineLanes threads per (row, 4 dv) item, 128 threads a block.
     const int64_t threads = rows * (p.head_dim_v / 4) * kCombineLanes;
     k.combine(a, dim3(static_cast<unsigned>((threads + 127) / 128)), stream);

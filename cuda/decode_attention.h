@@ -54,9 +54,10 @@ struct KernelVariant {
   bool wide = false;          // decode_wide_kernel: the warps split the head dims
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
   int step_tiles = 0;         // decode_wide_tma_kernel (wide && tma): 16-key tiles a step
+  bool cluster = false;       // decode_tma_kernel: the splits of a unit merge in a cluster
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           tma == o.tma && step_tiles == o.step_tiles;
+           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster;
   }
 };
 
@@ -70,6 +71,8 @@ struct DecodePlan {
   bool tensor_cores = false;
   KernelVariant kernel;        // the main kernel
   bool fused_combine = false;  // last split block merges (no combine launch)
+  // (kernel.cluster: the splits of a unit merge in a thread-block cluster, no combine
+  // launch; the partials' workspace stays reserved for the cp.async fallback.)
   WorkspaceLayout workspace;   // where the partials / counters go (bytes <= workspace given)
   int tma_l2 = 128;            // TMA kernels: their tensor maps' L2 fetch bytes
 };
@@ -84,8 +87,11 @@ std::string unsupported_reason(const SdpaParams& p);
 // the device and the environment overrides below (a changed setting makes a new plan, so
 // one process can time several settings, one executable each; docs/cuda_decode.md):
 //   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the heuristic)
-//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel   how split partials merge (auto: fused
-//                                     when the last block's merge is short, else a kernel)
+//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel|cluster   how split partials merge
+//                                     (auto: in a thread-block cluster behind
+//                                     decode_tma_kernel at 2..16 splits where the clusters fit
+//                                     one wave; else fused when the last block's merge is
+//                                     short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_L2=0|128|256|132  L2 mode of the K/V copies, where built (unset:
 //                                     128; 132: 128 with the lines marked evict-first)

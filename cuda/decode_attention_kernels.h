@@ -133,32 +133,57 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            int box_keys, bool chunk_boxes, int l2_bytes, TmaMaps* maps);
 
 // A TMA kernel's launch with the call's maps (launch() encodes them, or reuses the
-// last encoding of the same pointers and shapes).
-template <auto Kernel>
+// last encoding of the same pointers and shapes). CM: the grid's splits (gridDim.y) are
+// one thread-block cluster per unit (cluster_finish).
+template <auto Kernel, bool CM = false>
 cudaError_t launch_with_maps(const Args& a, const TmaMaps* maps, dim3 grid, int threads,
                              size_t smem, cudaStream_t st) {
   if (maps == nullptr) return cudaErrorInvalidValue;
-  Kernel<<<grid, threads, smem, st>>>(a, *maps);
-  return cudaGetLastError();
+  if constexpr (CM) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = grid.y;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, Kernel, a, *maps);
+  } else {
+    Kernel<<<grid, threads, smem, st>>>(a, *maps);
+    return cudaGetLastError();
+  }
 }
 
-template <typename T, int D, int DV, int NT, int W, int S>
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
 KernelInfo tma_info() {
-  using Cfg = TmaConfig<T, D, DV, NT, W, S>;
+  using Cfg = TmaConfig<T, D, DV, NT, W, S, CM>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
-  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S>;
-  KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel), &launch_with_maps<kernel>,
-                                 Cfg::kThreads, Cfg::kSmem, true, KernelVariant{W, S, 0, false, true});
+  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S, CM>;
+  KernelVariant v{W, S, 0, false, true};
+  v.cluster = CM;
+  KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel),
+                                 &launch_with_maps<kernel, CM>, Cfg::kThreads, Cfg::kSmem, true, v);
   k.tma_box_keys = Cfg::kKeys;  // one box a stage: all of D
   return k;
 }
 
 // decode_tma_kernel variants (D = Dv = 128): W consumer warps x S stages of 16 W keys
 // (KB of smem / blocks per SM: W4 S2 66/3, W4 S3 99/2, W4 S4 132/1, W4 S6 197/1, W8 S2
-// 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built.
+// 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built. cluster: the cluster-merge
+// variant (built for the defaults, W8 S2 and W4 S2).
 template <typename T, int D, int DV, int NT>
-KernelInfo tma_select(int w, int s) {
+KernelInfo tma_select(int w, int s, bool cluster) {
   if constexpr (D == 128 && DV == 128) {
+    if (cluster) {
+      if (w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2, true>();
+      if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, true>();
+      return KernelInfo{};
+    }
     if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2>();
     if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3>();
     if (w == 4 && s == 4) return tma_info<T, D, DV, NT, 4, 4>();
@@ -234,7 +259,7 @@ KernelInfo tc_select(const KernelVariant& want) {
     }
     w = s = 0;
   } else if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
-    KernelInfo k = tma_select<T, D, DV, NT>(w, s);
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.cluster);
     if (k.func != nullptr) return k;
     w = s = 0;
   } else if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default

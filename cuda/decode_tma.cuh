@@ -21,6 +21,8 @@
 // checks both (bijections, no bank conflicts) on the host.
 #pragma once
 
+#include <cooperative_groups.h>
+
 #include "cuda/decode_attention.cuh"
 #include "cuda/tma_helpers.cuh"
 
@@ -95,7 +97,7 @@ __device__ __forceinline__ void start_ring(const TmaMaps& maps, uint64_t* full, 
                     keys_per_stage, issue);
 }
 
-template <typename T, int D, int DV, int NT, int W, int S>
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
 struct TmaConfig {
   static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
                 "TMA decode: D, Dv in {64, 128}");
@@ -107,7 +109,10 @@ struct TmaConfig {
   static constexpr size_t kStageBytes = kKBytes + kVBytes;  // whole 1024-byte swizzle atoms
   static constexpr size_t kRingBytes = S * kStageBytes;
   static constexpr size_t kRedBytes = static_cast<size_t>(W) * 16 * (2 + DV) * sizeof(float);
-  static constexpr size_t kQOff = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;
+  // CM (cluster merge): the block's merged partial (cluster_finish) after the warps'.
+  static constexpr size_t kPartBytes = CM ? static_cast<size_t>(16) * (2 + DV) * sizeof(float) : 0;
+  static constexpr size_t kQOff = kRingBytes > kRedBytes + kPartBytes ? kRingBytes
+                                                                      : kRedBytes + kPartBytes;
   static constexpr size_t kQBytes = 16 * D * sizeof(T);
   static constexpr size_t kBarOff = kQOff + kQBytes;
   static constexpr size_t kSmem = kBarOff + 2 * S * sizeof(uint64_t) + 1024;  // + alignment slack
@@ -137,11 +142,103 @@ __host__ __device__ __forceinline__ constexpr int key_row(int k) {
   return 4 * (2 * a + b) + (t ^ b);
 }
 
-template <typename T, int D, int DV, int NT, int W, int S>
+// The split-K merge inside a thread-block cluster (sm_90+; CM kernels): the nsplit blocks
+// of a unit are one cluster (launch attribute, cluster dims (1, nsplit, 1)). Each block
+// folds its warps (red: block_finish's layout) into one partial in its own shared memory
+// (`part`: max [16], sum [16], unnormalized out [16][DV]); then block k of the cluster
+// merges its share of the 4-wide output columns of every row over all the cluster's
+// partials (distributed shared memory) and writes out and lse. No partials in global
+// memory, no combine launch. Every thread of every block calls it (cluster barriers);
+// XW trailing warps (the producer) take no work.
+template <typename T, int DV, int W, int XW>
+__device__ __forceinline__ void cluster_finish(const Args& a, float* red, float* part, int RB,
+                                               int b, int kvh, int r0, int qlen) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const float* red_m = red;
+  const float* red_l = red + W * 16;
+  const float* red_o = red + 2 * W * 16;
+  float* pm = part;
+  float* pl = part + 16;
+  float* po = part + 32;
+  constexpr int DV4 = DV / 4;
+  const int nthreads = W * 32;
+  const bool idle = XW > 0 && threadIdx.x >= nthreads;
+  __shared__ float s_coef[16][W];
+  if (threadIdx.x < RB) {
+    const int rr = threadIdx.x;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
+    float L = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float mw = red_m[w * 16 + rr];
+      const float f = (M == -INFINITY || mw == -INFINITY) ? 0.f : exp2f(mw - M);
+      s_coef[rr][w] = f;
+      L += f * red_l[w * 16 + rr];
+    }
+    pm[rr] = M;
+    pl[rr] = L;
+  }
+  __syncthreads();
+  for (int idx = idle ? RB * DV4 : threadIdx.x; idx < RB * DV4; idx += nthreads) {
+    const int rr = idx / DV4, c = idx - rr * DV4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float cw = s_coef[rr][w];
+      const float4 x = *reinterpret_cast<const float4*>(red_o + (w * 16 + rr) * DV + 4 * c);
+      o.x = fmaf(cw, x.x, o.x);
+      o.y = fmaf(cw, x.y, o.y);
+      o.z = fmaf(cw, x.z, o.z);
+      o.w = fmaf(cw, x.w, o.w);
+    }
+    *reinterpret_cast<float4*>(po + rr * DV + 4 * c) = o;
+  }
+  cluster.sync();  // every block's partial is complete and visible to the cluster
+  const int C = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int cpb = (DV4 + C - 1) / C;  // 4-wide columns a block
+  const int c0 = rank * cpb;
+  for (int idx = idle ? RB * cpb : threadIdx.x; idx < RB * cpb; idx += nthreads) {
+    const int rr = idx / cpb, c = c0 + (idx - rr * cpb);
+    const int r = r0 + rr;
+    if (c >= DV4 || r >= a.R) continue;
+    float M = -INFINITY;
+    for (int k = 0; k < C; ++k) M = fmaxf(M, cluster.map_shared_rank(pm, k)[rr]);
+    float L = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (M != -INFINITY) {
+      for (int k = 0; k < C; ++k) {
+        const float mk = cluster.map_shared_rank(pm, k)[rr];
+        if (mk == -INFINITY) continue;
+        const float wk = exp2f(mk - M);
+        L = fmaf(wk, cluster.map_shared_rank(pl, k)[rr], L);
+        const float4 x =
+            *reinterpret_cast<const float4*>(cluster.map_shared_rank(po, k) + rr * DV + 4 * c);
+        o.x = fmaf(wk, x.x, o.x);
+        o.y = fmaf(wk, x.y, o.y);
+        o.z = fmaf(wk, x.z, o.z);
+        o.w = fmaf(wk, x.w, o.w);
+      }
+    }
+    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+    float scale, lse;
+    row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
+    if (c == 0) a.lse[grow] = lse;
+    store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
+              make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
+  }
+  cluster.sync();  // no block leaves while the others still read its partial
+}
+
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     decode_tma_kernel(const Args a, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Cfg = TmaConfig<T, D, DV, NT, W, S>;
+  using Cfg = TmaConfig<T, D, DV, NT, W, S, CM>;
   constexpr int RB = NT * 8, TK = Cfg::kKeys;
   constexpr int NKC = D / 32, NVC = DV / 64;
   constexpr int EPV = 16 / sizeof(T);
@@ -298,7 +395,11 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       }
   }
   __syncthreads();
-  block_finish<T, DV, W, 1>(a, red, RB, b, kvh, r0, split, qlen);
+  if constexpr (CM)
+    cluster_finish<T, DV, W, 1>(a, red, red + Cfg::kRedBytes / sizeof(float), RB, b, kvh, r0,
+                                qlen);
+  else
+    block_finish<T, DV, W, 1>(a, red, RB, b, kvh, r0, split, qlen);
 #else
   __trap();  // sm_90+ only: the host never selects it below (decode_attention.cu)
 #endif

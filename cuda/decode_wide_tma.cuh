@@ -99,14 +99,16 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3, c4);
   };
   const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
-  if (tid == NW * 32)
-    start_ring<S>(maps, full, empty, NW, stage_bytes, nst, kvh, b, ks0, kTileKeys, issue);
+  // (Issuing the first S stages before this barrier, as decode_tma_kernel does, held the
+  // consumers' Q loads back by 6 x 16 copies: D512 B1 Lk8192 2098 vs 2282 GB/s, H200,
+  // results/gpu_decode_bench_20261130T1832.json.)
+  if (tid == NW * 32) init_stage_ring<S>(full, empty, NW);
   __syncthreads();  // the barriers are initialized: from here on only mbarriers and bar 1
 
   if (w == NW) {
     // Producer: one thread; a stage is refilled once all NW consumers released it.
     if (lane == 0)
-      produce_stages<S>(maps, full, empty, stage_bytes, S, nst, kvh, b, ks0, kTileKeys, issue);
+      produce_stages<S>(maps, full, empty, stage_bytes, 0, nst, kvh, b, ks0, kTileKeys, issue);
     return;  // no block barrier below: the consumers end on their own
   }
 
