@@ -465,7 +465,7 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
 # WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}; on fp32 D512 calls:
-# decode_wide_f32_kernel, an experiment, NW8 S3 / S2); WIDE_TMA = NW,S,KT of
+# decode_wide_f32_kernel, the default there, NW8 S3 / S2; "off": never); WIDE_TMA = NW,S,KT of
 # decode_wide_tma_kernel (16-bit D = Dv = 512, sm_90+, the default there; D256 built as
 # variants; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+,
 # the default there; "off": never); TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128,

@@ -314,8 +314,9 @@ KernelInfo simt_info() {
       Cfg::kThreads, Cfg::kSmem, false, KernelVariant{W, S, PF, false});
 }
 
-// decode_wide_f32_kernel (experiment, not yet run): JAX_SDPA_CUDA_DECODE_WIDE=NW,S on an
-// fp32 call; built for D = Dv = 512, NW8 S3 (202 KB) and S2 (137 KB), one block an SM.
+// decode_wide_f32_kernel (the fp32 D = Dv = 512 default, make_plan; also
+// JAX_SDPA_CUDA_DECODE_WIDE=8,3|8,2 on an fp32 call): NW8 S3 (202 KB) and S2 (137 KB),
+// one block an SM.
 template <int D, int DV, int NW, int S>
 KernelInfo wide_f32_info() {
   using Cfg = WideF32Config<D, DV, NW, S>;

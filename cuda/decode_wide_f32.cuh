@@ -1,7 +1,8 @@
-// Wide-head decode kernel in fp32 (EXPERIMENT, not yet run on a GPU; reached only with
-// JAX_SDPA_CUDA_DECODE_WIDE_F32=NW,S; built for D = Dv = 512, 8 query rows a block):
-// decode_wide_kernel's split of the head dims across warps, with exact fp32 math on
-// CUDA cores.
+// Wide-head decode kernel in fp32 (the default for fp32 D = Dv = 512, NW8 S3 or S2:
+// make_plan; JAX_SDPA_CUDA_DECODE_WIDE=off runs decode_simt_kernel instead; 8 query rows
+// a block): decode_wide_kernel's split of the head dims across warps, with exact fp32
+// math on CUDA cores. H200, B1 H32/KV4 Lk8192: 2258-2317 GB/s where decode_simt_kernel
+// streamed 1374-1418 (results/gpu_decode_sweep_20261130T1818.json, _T1843).
 //
 // Why: decode_simt_kernel gives each of its two warps (D + Dv > 512) whole 16-key tiles
 // of 66 KB, one block an SM and no copy in flight, so at D512 two warps an SM do all the

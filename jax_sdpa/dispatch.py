@@ -360,10 +360,10 @@ def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
     rows per kv head, cuDNN re-reads K/V per query head once Lq > 1, so ours wins for
     4 < R <= 32 (B8 H32/KV8 Lk4096: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64;
     plain decode, R = 4: cuDNN 1.1-1.6x faster). Where cuDNN can't serve: XLA matched or
-    beat ours on every fp32 row (1.0-2.2x) and at head dims > 256 (D512 B1: 1.1-1.4x with
-    decode_wide_tma_kernel, benchmarks/results/gpu_decode_bench_20261130T1702.json);
-    16-bit at D <= 256 ours matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64
-    1.04x)."""
+    beat ours on every fp32 row (1.0-1.36x, the 1.36x at D512 with decode_wide_f32_kernel)
+    and at head dims > 256 (D512 B1: 1.1-1.45x with decode_wide_tma_kernel,
+    benchmarks/results/gpu_decode_bench_20261130T1848.json); 16-bit at D <= 256 ours
+    matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x)."""
     rows = cfg.len_q * cfg.group
     if supports_cudnn(cfg, direction, platform)[0]:
         return 4 < rows <= 32
