@@ -43,6 +43,8 @@ if has build; then
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
   # sm_90 only here (the H200); the default build (CI, wheels) targets sm_80 and sm_90.
   export CMAKE_ARGS="-DJAX_SDPA_CUDA=ON -DJAX_SDPA_METAL_EMULATOR=OFF -DCMAKE_CUDA_ARCHITECTURES=90 ${CMAKE_ARGS:-}"
+  # LINEINFO=1: line tables in the kernels, for decode_ncu_source's CUDA view.
+  [ "${LINEINFO:-0}" = 1 ] && CMAKE_ARGS="$CMAKE_ARGS -DJAX_SDPA_CUDA_LINEINFO=ON"
   start=$(date +%s)
   if ! python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -40; then
     # Another backend's work in progress must not block the cuDNN run: retry with
@@ -147,12 +149,13 @@ if has decode_ncu; then
      "$OUT/decode_ncu.txt" | head -150
 fi
 if has decode_ncu_source; then
-  # Stall sampling per SASS instruction of our kernels matching NCU_KERNEL on NCU_ROWS:
-  # where the warps wait (benchmarks/ncu_source_top.py prints the top instructions).
+  # Stall sampling per SASS instruction (NCU_SOURCE_VIEW=cuda: per CUDA line, with a
+  # LINEINFO=1 build) of our kernels matching NCU_KERNEL on NCU_ROWS: where the warps wait
+  # (benchmarks/ncu_source_top.py prints the top instructions / lines).
   say "Nsight Compute source page: ${NCU_KERNEL:-decode_} on rows ${NCU_ROWS:-0}"
   (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:"${NCU_KERNEL:-decode_}" --section SourceCounters --section WarpStateStats \
-     --warp-sampling-interval 0 --page source --csv --print-source sass \
+     --warp-sampling-interval 0 --page source --csv --print-source ${NCU_SOURCE_VIEW:-sass} \
      python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} --peers "" \
      > "$OUT/decode_ncu_source.csv" 2>&1) || rc=1
   python3 benchmarks/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} \

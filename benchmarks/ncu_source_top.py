@@ -17,7 +17,7 @@ def _tables(text):
     i, title = 0, []
     while i < len(lines):
         line = lines[i]
-        if line.startswith('"Address"') or line.startswith('"#","Address"'):
+        if line.startswith('"') and '"Source"' in line and "Sampling" in line:
             header = next(csv.reader(io.StringIO(line)))
             rows = []
             i += 1
@@ -66,7 +66,7 @@ def main():
         for r in ranked[:args.top]:
             extra = " ".join(f"{c.split('(')[-1][:12]}={r[header.index(c)]}" for c in cols
                              if c != key)
-            print(f"{_num(r[k]) / total:6.1%} {r[0]:>8} {r[src][:70]:<70} {extra}")
+            print(f"{_num(r[k]) / total:6.1%} {r[0]:>8} {r[src].strip()[:90]:<90} {extra}")
     if n == 0:
         print("no source table found; first lines:")
         print("\n".join(text.splitlines()[:20]))
