@@ -544,19 +544,30 @@ def run_sweep(copy_bw, budget_s=150.0):
     return out
 
 
-def run_crossover():
+def run_crossover(dims=(128,)):
+    """Ours vs jax.nn cudnn (and xla at D != 128) on decode shapes, bf16 H32/KV8: at D128
+    over batch, cache length and query rows per kv head (the dispatch rule's grid); at
+    other head dims (--crossover-dims) plain decode over batch and cache length."""
     pts = []
-    grid = [(B, Lk, 1) for B in (1, 8, 32, 128) for Lk in (512, 4096)]
-    grid += [(8, 4096, Lq) for Lq in (2, 4, 8, 16)]
-    for (B, Lk, Lq) in grid:
-        impls = {k_: v_ for k_, v_ in _impls("bf16", 128).items() if k_ in ("ours", "jax.nn cudnn")}
-        nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, 128, Lq=Lq, impls=impls, target_s=15e-3)
+    grid = []
+    for D in dims:
+        if D == 128:
+            grid += [(B, Lk, 1, D) for B in (1, 8, 32, 128) for Lk in (512, 4096)]
+            grid += [(8, 4096, Lq, D) for Lq in (2, 4, 8, 16)]
+        else:
+            grid += [(B, Lk, 1, D) for B in (1, 8, 32) for Lk in (2048, 8192)]
+    for (B, Lk, Lq, D) in grid:
+        keep = ("ours", "jax.nn cudnn") if D == 128 else ("ours", "jax.nn cudnn", "jax.nn xla")
+        impls = {k_: v_ for k_, v_ in _impls("bf16", D).items() if k_ in keep}
+        nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, D, Lq=Lq, impls=impls, target_s=15e-3)
         o = res.get("ours", {}).get("us")
         c = res.get("jax.nn cudnn", {}).get("us")
-        pts.append(dict(B=B, Hq=32, Hk=8, Lk=Lk, Lq=Lq, rows_per_kv_head=4 * Lq, ours_us=o,
-                        cudnn_us=c, ratio=(c / o) if (o and c) else None))
-        print(f"crossover B{B} Lk{Lk} Lq{Lq} (rows/kv head {4 * Lq}): ours {o} us, cudnn {c} us, "
-              f"cudnn/ours {pts[-1]['ratio']}", flush=True)
+        x = res.get("jax.nn xla", {}).get("us")
+        pts.append(dict(B=B, Hq=32, Hk=8, Lk=Lk, Lq=Lq, D=D, rows_per_kv_head=4 * Lq,
+                        ours_us=o, cudnn_us=c, xla_us=x,
+                        ratio=(c / o) if (o and c) else None))
+        print(f"crossover D{D} B{B} Lk{Lk} Lq{Lq} (rows/kv head {4 * Lq}): ours {o} us, "
+              f"cudnn {c} us, xla {x} us, cudnn/ours {pts[-1]['ratio']}", flush=True)
     return pts
 
 
@@ -602,6 +613,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="every third check case")
     ap.add_argument("--rows", default="", help="bench row indices, e.g. 0,2")
     ap.add_argument("--tag", default="", help="added to the JSON file name")
+    ap.add_argument("--crossover-dims", default="128", help="head dims of --only crossover")
     args = ap.parse_args()
     if "sweep" in only_arg(args) and not _POISON_GIVEN:
         os.environ["JAX_SDPA_POISON_OUTPUTS"] = "0"  # before the first call reads it
@@ -640,7 +652,8 @@ def main():
         save()
         print(f"[sweep done at {time.time() - t0:.0f}s]", flush=True)
     if "crossover" in only:
-        result["crossover"] = run_crossover()
+        result["crossover"] = run_crossover(
+            tuple(int(d) for d in args.crossover_dims.split(",")))
         save()
         print(f"[crossover done at {time.time() - t0:.0f}s]", flush=True)
     save()

@@ -113,7 +113,8 @@ fi
 if has decode_crossover; then
   say "decode crossover vs cuDNN (B, Lk, query rows per kv head)"
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P $repo/benchmarks/gpu_decode.py \
-     --module --only crossover --out "$OUT" 2>&1 | grep -E "^crossover" | tail -20) || rc=1
+     --module --only crossover --crossover-dims "${CROSSOVER_DIMS:-128}" --out "$OUT" 2>&1 \
+     | grep -E "^crossover" | tail -30) || rc=1
 fi
 if has decode_sweep; then
   say "decode sweep (knob settings per row)"
