@@ -559,15 +559,22 @@ def run_crossover(dims=(128,)):
     for (B, Lk, Lq, D) in grid:
         keep = ("ours", "jax.nn cudnn") if D == 128 else ("ours", "jax.nn cudnn", "jax.nn xla")
         impls = {k_: v_ for k_, v_ in _impls("bf16", D).items() if k_ in keep}
+        if D != 128:
+            import jax_sdpa  # the installed package: our XLA path (out + lse), the dispatch's
+
+            impls["jax_sdpa xla"] = (lambda q, k, v: jax_sdpa.dot_product_attention(
+                q, k, v, implementation="xla"), True)
         nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, D, Lq=Lq, impls=impls, target_s=15e-3)
         o = res.get("ours", {}).get("us")
         c = res.get("jax.nn cudnn", {}).get("us")
         x = res.get("jax.nn xla", {}).get("us")
+        jx = res.get("jax_sdpa xla", {}).get("us")
         pts.append(dict(B=B, Hq=32, Hk=8, Lk=Lk, Lq=Lq, D=D, rows_per_kv_head=4 * Lq,
-                        ours_us=o, cudnn_us=c, xla_us=x,
+                        ours_us=o, cudnn_us=c, xla_us=x, jax_sdpa_xla_us=jx,
                         ratio=(c / o) if (o and c) else None))
         print(f"crossover D{D} B{B} Lk{Lk} Lq{Lq} (rows/kv head {4 * Lq}): ours {o} us, "
-              f"cudnn {c} us, xla {x} us, cudnn/ours {pts[-1]['ratio']}", flush=True)
+              f"cudnn {c} us, xla {x} us, jax_sdpa xla {jx} us, cudnn/ours "
+              f"{pts[-1]['ratio']}", flush=True)
     return pts
 
 
