@@ -598,13 +598,15 @@ std::unordered_map<std::string, DecodePlan> g_plans;
 
 // The last tensor maps encoded, by everything the encoding reads: a decode step under
 // jit reuses its cache buffers call after call, so most calls skip the driver's encoder.
-struct MapsKey {
+struct MapsKey {  // compared bytewise: no padding (static_assert below)
   const void* k;
   const void* v;
   int64_t ks[3], vs[3];
-  int dims[9];  // B, Hk, Lk, bf16, d, dv, box_keys, chunk_boxes, l2
+  int dims[10];  // B, Hk, Lk, bf16, d, dv, box_keys, chunk_boxes, l2, 0 (no tail padding)
   bool operator==(const MapsKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
+static_assert(sizeof(MapsKey) == 2 * sizeof(void*) + 6 * sizeof(int64_t) + 10 * sizeof(int),
+              "MapsKey has padding");
 constexpr int kMapsCached = 16;
 std::mutex g_maps_mu;
 MapsKey g_maps_key[kMapsCached];
@@ -621,7 +623,7 @@ cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, bool bf16, int d,
     key.ks[i] = a.ks[i];
     key.vs[i] = a.vs[i];
   }
-  const int dims[9] = {a.B, a.Hk, a.Lk, bf16, d, dv, k.tma_box_keys, k.tma_chunk_boxes, l2};
+  const int dims[10] = {a.B, a.Hk, a.Lk, bf16, d, dv, k.tma_box_keys, k.tma_chunk_boxes, l2, 0};
   std::memcpy(key.dims, dims, sizeof(dims));
   std::lock_guard<std::mutex> lock(g_maps_mu);
   for (int i = 0; i < g_maps_used; ++i)
@@ -634,7 +636,7 @@ cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, bool bf16, int d,
   if (e != cudaSuccess) return e;
   const int slot = g_maps_used < kMapsCached ? g_maps_used++ : g_maps_next;
   g_maps_next = (slot + 1) % kMapsCached;
-  g_maps_key[slot] = key;
+  std::memcpy(&g_maps_key[slot], &key, sizeof(key));  // bytewise, as compared
   g_maps[slot] = *maps;
   return cudaSuccess;
 }
