@@ -12,8 +12,8 @@
 #include <unordered_map>
 #include <utility>
 
-#include <cudaTypedefs.h>
-#include <unistd.h>  // environ  // PFN_cuTensorMapEncodeTiled
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <unistd.h>        // environ
 
 #include "decode_attention.h"
 #include "decode_attention_kernels.h"
@@ -122,17 +122,10 @@ cudaError_t clusters_fit(const KernelInfo& k, int device, int64_t units, int n, 
       return cudaSuccess;  // no large clusters here: the combine kernel merges
     }
   }
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = static_cast<unsigned>(n);
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(units), static_cast<unsigned>(n));
-  cfg.blockDim = dim3(static_cast<unsigned>(k.threads));
-  cfg.dynamicSmemBytes = k.smem;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch_config(
+      dim3(static_cast<unsigned>(units), static_cast<unsigned>(n)), k.threads, k.smem, nullptr,
+      &attr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, k.func, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();

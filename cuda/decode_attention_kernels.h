@@ -132,26 +132,34 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
                            const int64_t (&vs)[3], int B, int Hk, int Lk, bool bf16, int d, int dv,
                            int box_keys, bool chunk_boxes, int l2_bytes, TmaMaps* maps);
 
+// The launch of a cluster-merge kernel (cluster_finish): the grid's splits (gridDim.y)
+// are one thread-block cluster per unit. `attr` holds the cluster attribute cfg points to.
+inline cudaLaunchConfig_t cluster_launch_config(dim3 grid, int threads, size_t smem,
+                                                cudaStream_t st, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 1;
+  attr->val.clusterDim.y = grid.y;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // A TMA kernel's launch with the call's maps (launch() encodes them, or reuses the
-// last encoding of the same pointers and shapes). CM: the grid's splits (gridDim.y) are
-// one thread-block cluster per unit (cluster_finish).
+// last encoding of the same pointers and shapes). CM: launched as clusters
+// (cluster_launch_config).
 template <auto Kernel, bool CM = false>
 cudaError_t launch_with_maps(const Args& a, const TmaMaps* maps, dim3 grid, int threads,
                              size_t smem, cudaStream_t st) {
   if (maps == nullptr) return cudaErrorInvalidValue;
   if constexpr (CM) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = grid.y;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(static_cast<unsigned>(threads));
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(grid, threads, smem, st, &attr);
     return cudaLaunchKernelEx(&cfg, Kernel, a, *maps);
   } else {
     Kernel<<<grid, threads, smem, st>>>(a, *maps);
