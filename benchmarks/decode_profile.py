@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_decode as gd  # noqa: E402
 
 ROWS = gd.BENCH_ROWS[:5]
-HOST_ROWS = gd.HOST_ROWS  # --host: tiny calls, wall time a call = the host's cost
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 
 
@@ -109,7 +108,7 @@ def main():
     ap.add_argument("--rows", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--K", type=int, default=128)
-    ap.add_argument("--host", action="store_true", help="also the HOST_ROWS (host cost a call)")
+    ap.add_argument("--host", action="store_true", help="also gpu_decode.HOST_ROWS (host cost a call)")
     args = ap.parse_args()
     gd.register(use_module=True)
     picked = range(len(ROWS)) if not args.rows else [int(i) for i in args.rows.split(",")]
@@ -122,7 +121,7 @@ def main():
     results["tiny"] = tiny
     todo = [(i, ROWS[i]) for i in picked]
     if args.host:
-        todo += [(None, r) for r in HOST_ROWS]
+        todo += [(None, r) for r in gd.HOST_ROWS]
     for row_index, (name, dt, B, Hq, Hk, Lk, D) in todo:
         q, k, v = gd._row_inputs(dt, B, Hq, Hk, Lk, D)
         esz = jnp.dtype(gd.DTYPES[dt]).itemsize

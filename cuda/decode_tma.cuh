@@ -149,7 +149,9 @@ __host__ __device__ __forceinline__ constexpr int key_row(int k) {
 // merges its share of the 4-wide output columns of every row over all the cluster's
 // partials (distributed shared memory) and writes out and lse. No partials in global
 // memory, no combine launch. Every thread of every block calls it (cluster barriers);
-// XW trailing warps (the producer) take no work.
+// XW trailing warps (the producer) take no work. (Its warp fold repeats block_finish's
+// first pass; sharing one helper changed the validated kernels' code, so it waits for a
+// GPU run to re-check both.)
 template <typename T, int DV, int W, int XW>
 __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float* part, int RB,
                                                int b, int kvh, int r0, int qlen) {
