@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
-#                                           decode_crossover flash_check api
+#                                           decode_crossover flash_check flash_highest api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -168,6 +168,14 @@ if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"
   (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
      --only check --out "$OUT" 2>&1 | grep -E "FAIL|check:|Error|error" | tail -20) || rc=1
+fi
+
+if has flash_highest; then
+  # The bar for fp32 under "highest": outputs and grads within 1e-5 of float64.
+  say "our CUDA flash kernels: correctness under 3xTF32, fp32 outputs and grads within 1e-5"
+  (cd /tmp && JAX_SDPA_CUDA_FP32=highest timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/gpu_flash_check.py --only check --fp32-tol 1e-5 --fp32-grad-tol 1e-5 \
+     --out "$OUT" 2>&1 | grep -E "fp32|check:|Error|error" | tail -${FLASH_TAIL:-70}) || rc=1
 fi
 
 if has flash; then

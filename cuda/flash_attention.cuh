@@ -81,6 +81,7 @@ using cuda_common::ldmatrix_x4_trans;
 using cuda_common::ldmatrix_x4_trans_ordered;
 using cuda_common::mma16816;
 using cuda_common::mma_tf32;
+using cuda_common::mma_tf32x3;
 using cuda_common::round_tf32;
 using cuda_common::to_tf32;
 
@@ -113,7 +114,7 @@ __device__ __forceinline__ void mma_16<__nv_bfloat16>(float (&d)[4], uint32_t a0
 }
 
 // f32 x f32 -> f32 through tf32 tensor cores: one mma (tf32) or three (3xTF32:
-// a_hi*b_hi + a_hi*b_lo + a_lo*b_hi, small terms first).
+// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi, small terms first: mma_tf32x3).
 template <int kMode>
 __device__ __forceinline__ void mma_f32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
   uint32_t ah[4], bh[2];
@@ -127,10 +128,10 @@ __device__ __forceinline__ void mma_f32(float (&d)[4], const float (&a)[4], cons
     for (int i = 0; i < 4; ++i) al[i] = to_tf32(a[i] - __uint_as_float(ah[i]));
 #pragma unroll
     for (int i = 0; i < 2; ++i) bl[i] = to_tf32(b[i] - __uint_as_float(bh[i]));
-    mma_tf32(d, al, bh);
-    mma_tf32(d, ah, bl);
+    mma_tf32x3(d, ah, al, bh, bl);
+  } else {
+    mma_tf32(d, ah, bh);
   }
-  mma_tf32(d, ah, bh);
 }
 
 // Copies rows [0, nrows) x columns [c0, c0 + ncols) of a global matrix (row

@@ -141,9 +141,7 @@ __device__ __forceinline__ void mma_ab(float (&d)[4], const AFrag<kMode>& a, flo
     const uint32_t bh[2] = {to_tf32(b0), to_tf32(b1)};
     const uint32_t bl[2] = {to_tf32(b0 - __uint_as_float(bh[0])),
                             to_tf32(b1 - __uint_as_float(bh[1]))};
-    mma_tf32(d, a.l, bh);
-    mma_tf32(d, a.h, bl);
-    mma_tf32(d, a.h, bh);
+    mma_tf32x3(d, a.h, a.l, bh, bl);
   }
 }
 

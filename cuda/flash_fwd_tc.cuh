@@ -82,9 +82,7 @@ __device__ __forceinline__ void mma_tc(float (&d)[4], const uint32_t (&a)[4], co
       bh[i] = to_tf32(__uint_as_float(b[i]));
       bl[i] = to_tf32(__uint_as_float(b[i]) - __uint_as_float(bh[i]));
     }
-    mma_tf32(d, al, bh);
-    mma_tf32(d, ah, bl);
-    mma_tf32(d, ah, bh);
+    mma_tf32x3(d, ah, al, bh, bl);
   }
 }
 

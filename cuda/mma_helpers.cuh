@@ -30,6 +30,21 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// 3xTF32 step: d += a_lo * b_hi + a_hi * b_lo + a_hi * b_hi. The three products go into a
+// fresh tensor-core accumulator that is then added to d with fp32 adds (round to nearest):
+// the tensor cores' own accumulation truncates, and chained through d over a long sum
+// (the backward's dK / dV over 1000+ query rows) that bias alone was 2e-5 relative.
+__device__ __forceinline__ void mma_tf32x3(float (&d)[4], const uint32_t (&ah)[4],
+                                           const uint32_t (&al)[4], const uint32_t (&bh)[2],
+                                           const uint32_t (&bl)[2]) {
+  float t[4] = {0.f, 0.f, 0.f, 0.f};
+  mma_tf32(t, al, bh);
+  mma_tf32(t, ah, bl);
+  mma_tf32(t, ah, bh);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] += t[i];
+}
+
 // d += a * b, m16n8k16, f16 / bf16 inputs, f32 accumulation.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
