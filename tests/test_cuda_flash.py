@@ -7,7 +7,8 @@ tests/sdpa_testing.py: fp32 at JAX's default matmul precision (TF32) and at "hig
 and 320 (beyond cuDNN) with causal + GQA + sinks + lengths; the jax.nn layout
 ([B, T, N, H], seq_major) through dot_product_attention; outputs NaN-poisoned by the
 handler first (JAX_SDPA_POISON_OUTPUTS=1, set by conftest). Tolerances: max abs error /
-max(1, max |oracle|): TF32 2e-3; highest 1e-5 forward, 2e-5 gradients; fp16/bf16 no worse
+max(1, max |oracle|): TF32 2e-3; highest 1e-5 forward and gradients (the issue's bar; the
+shared suite allows other implementations 2e-5 for gradients); fp16/bf16 no worse
 than 2x XLA's error in the same dtype plus a floor.
 """
 
@@ -21,11 +22,15 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from sdpa_testing import (FP32_GRAD_RTOL, FP32_RTOL, TF32_GRAD_RTOL, TF32_RTOL, Case,
+from sdpa_testing import (FP32_RTOL, TF32_GRAD_RTOL, TF32_RTOL, Case,
                           assert_close, cast_inputs, oracle_forward,
                           oracle_grads, oracle_inputs_f64, random_inputs)
 
 pytestmark = pytest.mark.gpu
+
+# Our 3xTF32 kernels' gradients under "highest": within 1e-5 of float64 like the outputs
+# (their products are summed per step and added with fp32 adds: cuda/mma_helpers.cuh).
+FP32_GRAD_RTOL = FP32_RTOL
 
 
 @pytest.fixture(autouse=True)
