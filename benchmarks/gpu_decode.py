@@ -162,6 +162,29 @@ def _cases():
             dict(name=f"{dt} D256 MQA Lq2 G8 (16 rows) causal", dt=dt, B=2, Hq=8, Hk=1, Lq=2,
                  Lk=900, D=256, Dv=256, wr=0),
         ]
+    # D256 at 8 rows a block (16 bits: decode_tma_kernel with one tile a 64-wide chunk on
+    # sm_90+): the features.
+    for dt in ("bf16", "fp16"):
+        c = lambda **kw: dict(dt=dt, D=256, Dv=256, **kw)  # noqa: E731
+        cases += [
+            c(name=f"{dt} D256 Lq2 G4 causal-br qlen kvlen", B=3, Hq=8, Hk=2, Lq=2, Lk=700,
+              wr=0, kvlen="rand", qlen="rand"),
+            c(name=f"{dt} D256 Lq2 G4 causal top-left", B=2, Hq=8, Hk=2, Lq=2, Lk=300, wr=0,
+              bottom_right=False),
+            c(name=f"{dt} D256 bool mask [B,1,Lq,Lk] + empty row", B=2, Hq=8, Hk=2, Lq=2,
+              Lk=450, mask="bool_b1"),
+            c(name=f"{dt} D256 additive bf16 mask full with -inf", B=2, Hq=8, Hk=4, Lq=2,
+              Lk=333, mask="add_bf16_full"),
+            c(name=f"{dt} D256 sinks [B,Hq] + kvlen 0 rows", B=3, Hq=8, Hk=2, Lq=1, Lk=500,
+              sinks="batch", kvlen="zero1"),
+            c(name=f"{dt} D256 window 100 bottom-right", B=2, Hq=8, Hk=2, Lq=2, Lk=1200,
+              wl=100, wr=0),
+            c(name=f"{dt} D256 seq_major kvlen", B=2, Hq=8, Hk=2, Lq=2, Lk=700, seq_major=True,
+              kvlen="rand"),
+            c(name=f"{dt} D256 Lk17 qlen0 row", B=2, Hq=8, Hk=2, Lq=1, Lk=17, qlen="zero1"),
+            c(name=f"{dt} D256 B2 G4 Lk8192 kvlen", B=2, Hq=32, Hk=8, Lq=1, Lk=8192,
+              kvlen="rand"),
+        ]
     # D512 (the wide kernels at 16 bits, decode_wide_tma_kernel on sm_90+; fp32: the
     # CUDA-core kernels): the features.
     for dt in ("bf16", "fp16", "fp32"):
@@ -467,8 +490,8 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}; on fp32 D512 calls:
 # decode_wide_f32_kernel, the default there, NW8 S3 / S2; "off": never); WIDE_TMA = NW,S,KT of
 # decode_wide_tma_kernel (16-bit D = Dv = 512, sm_90+, the default there; D256 built as
-# variants; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128, sm_90+,
-# the default there; "off": never); TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128,
+# variants; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128 and 256,
+# sm_90+, the default there; "off": never); TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128,
 # 256); MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the split count; COMBINE
 # picks the split-K merge. {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D).
 # (Earlier sweeps' LOCKSTEP, 129, 130, TMA MODE 1 / 2 and PDL were experiments since
@@ -480,13 +503,18 @@ SWEEP = [
     (BENCH_ROWS[2], [{}, {"WIDE_TMA": "off"}]),
     # fp32 D512: decode_wide_f32_kernel (default) vs decode_simt_kernel.
     (BENCH_ROWS[7], [{}, {"WIDE": "off"}]),
+    # D256: decode_tma_kernel (default W4 S3) variants vs decode_tc_kernel (TMA=off).
+    (BENCH_ROWS[9], [{}, {"TMA": "4,2"}, {"TMA": "2,4"}, {"TMA": "2,6"}, {"TMA": "6,2"},
+                     {"COMBINE": "kernel"}, {"TMA": "off"}]),
+    (("B16 H32/KV8 Lk4096 D256", "bf16", 16, 32, 8, 4096, 256),
+     [{}, {"TMA": "4,2"}, {"TMA": "6,2"}, {"TMA": "off"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",
                "MIN_SPLIT_KB")
 
 
-def run_sweep(copy_bw, budget_s=150.0):
+def run_sweep(copy_bw, budget_s=150.0, only=()):
     """Times `ours` on the target rows under each knob setting in SWEEP (the knobs
     are read by the host launcher when it runs, which XLA does once when it captures the
     call into a CUDA graph: so one executable per setting). Prints one line per setting
@@ -495,6 +523,8 @@ def run_sweep(copy_bw, budget_s=150.0):
     out = []
     t_start = time.time()
     for (name, dt, B, Hq, Hk, Lk, D), settings in SWEEP:
+        if only and not any(o in name for o in only):
+            continue
         q, k, v = _row_inputs(dt, B, Hq, Hk, Lk, D)
         esz = jnp.dtype(DTYPES[dt]).itemsize
         nbytes = esz * (2 * B * Hq * D + 2 * B * Hk * Lk * D)
@@ -621,6 +651,7 @@ def main():
     ap.add_argument("--rows", default="", help="bench row indices, e.g. 0,2")
     ap.add_argument("--tag", default="", help="added to the JSON file name")
     ap.add_argument("--crossover-dims", default="128", help="head dims of --only crossover")
+    ap.add_argument("--sweep-rows", default="", help="comma-separated substrings of sweep rows")
     args = ap.parse_args()
     if "sweep" in only_arg(args) and not _POISON_GIVEN:
         os.environ["JAX_SDPA_POISON_OUTPUTS"] = "0"  # before the first call reads it
@@ -655,7 +686,8 @@ def main():
         save()
         print(f"[bench done at {time.time() - t0:.0f}s]", flush=True)
     if "sweep" in only:
-        result["sweep"] = run_sweep(result["copy_bandwidth_GBps"] * 1e9)
+        result["sweep"] = run_sweep(result["copy_bandwidth_GBps"] * 1e9,
+                                    only=[r for r in args.sweep_rows.split(",") if r])
         save()
         print(f"[sweep done at {time.time() - t0:.0f}s]", flush=True)
     if "crossover" in only:

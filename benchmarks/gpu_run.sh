@@ -119,7 +119,7 @@ fi
 if has decode_sweep; then
   say "decode sweep (knob settings per row)"
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_SWEEP_TIMEOUT:-200}" python3 -P \
-     $repo/benchmarks/gpu_decode.py --module --only sweep --out "$OUT" 2>&1 \
+     $repo/benchmarks/gpu_decode.py --module --only sweep --sweep-rows "${SWEEP_ROWS:-}" --out "$OUT" 2>&1 \
      | grep -E "^sweep" | tail -60) || rc=1
 fi
 if has decode_profile; then

@@ -279,6 +279,15 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
     v->prefetch = 0;
     return true;
   }
+  if (p.head_dim == 256 && !req.tma_off) {
+    // A first guess, not yet measured: W4 S3 (201 KB, one block an SM, 128 KB in flight
+    // while a stage is consumed).
+    v->tma = true;
+    v->warps = 4;
+    v->stages = 3;
+    v->prefetch = 0;
+    return true;
+  }
   if (p.head_dim == 512 && !req.wide_tma_off) {
     v->tma = v->wide = true;
     v->warps = 4;
@@ -410,7 +419,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   const KernelVariant& tma_want = tma_dflt ? dflt : want;
   const bool tma_ok = tma_want.tma && f.cc_major >= 9 && p.dtype != DType::kF32 &&
                       (tma_want.wide ? tma_mappable(p, kTileKeys, true)
-                                     : tma_mappable(p, 64, false));
+                                     : tma_mappable(p, 64, p.head_dim > 128));
   if (tma_dflt && tma_ok) want = dflt;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;

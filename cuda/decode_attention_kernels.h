@@ -176,16 +176,31 @@ KernelInfo tma_info() {
   v.cluster = CM;
   KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel),
                                  &launch_with_maps<kernel, CM>, Cfg::kThreads, Cfg::kSmem, true, v);
-  k.tma_box_keys = Cfg::kKeys;  // one box a stage: all of D
+  k.tma_box_keys = Cfg::kKeys;          // one box a stage: all of D ...
+  k.tma_chunk_boxes = Cfg::kChunked;  // ... or one a 64-wide chunk (D256)
   return k;
 }
 
 // decode_tma_kernel variants (D = Dv = 128): W consumer warps x S stages of 16 W keys
 // (KB of smem / blocks per SM: W4 S2 66/3, W4 S3 99/2, W4 S4 132/1, W4 S6 197/1, W8 S2
-// 132/1, W8 S3 197/1, W2 S4 66/3). Null where not built. cluster: the cluster-merge
-// variant (built for the defaults, W8 S2 and W4 S2).
+// 132/1, W8 S3 197/1, W2 S4 66/3). D = Dv = 256 (a stage is twice the bytes): W4 S2
+// 137/1, W4 S3 201/1, W2 S4 137/1, W2 S6 201/1, W6 S2 201/1. Null where not built.
+// cluster: the cluster-merge variant (built for the defaults: D128 W8 S2 and W4 S2, D256
+// W4 S3 and W4 S2).
 template <typename T, int D, int DV, int NT>
 KernelInfo tma_select(int w, int s, bool cluster) {
+  if constexpr (D == 256 && DV == 256 && NT == 1) {
+    if (cluster) {
+      if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3, true>();
+      if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, true>();
+      return KernelInfo{};
+    }
+    if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2>();
+    if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3>();
+    if (w == 2 && s == 4) return tma_info<T, D, DV, NT, 2, 4>();
+    if (w == 2 && s == 6) return tma_info<T, D, DV, NT, 2, 6>();
+    if (w == 6 && s == 2) return tma_info<T, D, DV, NT, 6, 2>();
+  }
   if constexpr (D == 128 && DV == 128) {
     if (cluster) {
       if (w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2, true>();

@@ -1,5 +1,5 @@
-// Decode kernel fed by TMA (sm_90+; bf16 / fp16; the template takes D, Dv in {64, 128},
-// built for D = Dv = 128: decode_attention_kernels.h).
+// Decode kernel fed by TMA (sm_90+; bf16 / fp16; the template takes D, Dv in {64, 128}
+// or D = Dv = 256, built for D = Dv = 128 and 256: decode_attention_kernels.h).
 //
 // Why: decode_tc_kernel's warps each issue their own 16-byte cp.async copies; on the
 // H200 it streams at 73% of DRAM peak where cuDNN reaches 85%, this kernel at 79-80%
@@ -19,6 +19,11 @@
 // for Q and K) and which smem row feeds each mma key index (key_row, the same for
 // the QK n index, the PV k index and the masks). tests/test_decode_tma_layout.py
 // checks both (bijections, no bank conflicts) on the host.
+//
+// At D = Dv = 256 a key row would span 4 lines, and the rows that one fragment load
+// reads would share their swizzle phase in pairs (2-way conflicts on V). So there each
+// 64-wide chunk of a stage is its own swizzled [keys][64] tile (one TMA copy a chunk, as
+// decode_wide_tma_kernel): the D = 64 layout per chunk, conflict-free (kv_offset).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -99,11 +104,13 @@ __device__ __forceinline__ void start_ring(const TmaMaps& maps, uint64_t* full, 
 
 template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
 struct TmaConfig {
-  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
-                "TMA decode: D, Dv in {64, 128}");
+  static_assert(((D == 64 || D == 128) && (DV == 64 || DV == 128)) || (D == 256 && DV == 256),
+                "TMA decode: D, Dv in {64, 128}, or D = Dv = 256");
   static_assert(S >= 2, "TMA decode: the ring needs a stage in flight");
   static constexpr int kKeys = kTileKeys * W;  // keys a stage
   static constexpr int kThreads = (W + 1) * 32;  // + the producer warp
+  // One swizzled tile a 64-wide chunk of the head dims (kv_offset), one copy each.
+  static constexpr bool kChunked = D > 128;
   static constexpr size_t kKBytes = static_cast<size_t>(kKeys) * D * sizeof(T);
   static constexpr size_t kVBytes = static_cast<size_t>(kKeys) * DV * sizeof(T);
   static constexpr size_t kStageBytes = kKBytes + kVBytes;  // whole 1024-byte swizzle atoms
@@ -134,7 +141,22 @@ __host__ __device__ __forceinline__ constexpr int qk_chunk(int c, int t) {
 template <int DV>
 __host__ __device__ __forceinline__ constexpr int pv_chunk(int c, int g) {
   if constexpr (DV == 128) return 8 * c + g;
+  if constexpr (DV == 256) return 8 * c + ((g >> 1) | ((g & 1) << 2));  // D64's, per chunk
   return (g >> 1) | ((g & 1) << 2);
+}
+// Byte offset of 16-byte chunk c (of the head dims) of row `row` of a warp's 16-key tile,
+// from the tile's base (warp_tile_base): one swizzled tile of DIM / 64 lines a row, or at
+// DIM > 128 (TmaConfig::kChunked) the chunk's own [KEYS][64] tile of the stage.
+template <int DIM, int KEYS>
+__host__ __device__ __forceinline__ constexpr uint32_t kv_offset(int row, int c) {
+  if constexpr (DIM > 128) return (c >> 3) * (KEYS * 128) + swizzled<1>(row, c & 7);
+  return swizzled<DIM / 64>(row, c);
+}
+// Where warp w's 16-key tile starts in a stage's K (or V) tiles.
+template <typename T, int DIM>
+__host__ __device__ __forceinline__ constexpr size_t warp_tile_base(int w) {
+  if constexpr (DIM > 128) return w * kTileKeys * 128 * sizeof(char);
+  return w * kTileKeys * DIM * sizeof(T);
 }
 // The smem row (key j0 + row) behind mma key index k = 8a + 2t + b of a 16-key tile.
 __host__ __device__ __forceinline__ constexpr int key_row(int k) {
@@ -244,7 +266,6 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   constexpr int RB = NT * 8, TK = Cfg::kKeys;
   constexpr int NKC = D / 32, NVC = DV / 64;
   constexpr int EPV = 16 / sizeof(T);
-  constexpr int KLPR = D / 64, VLPR = DV / 64;  // 128-byte lines a K / V row
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
@@ -263,11 +284,21 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   split_range<TK>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
 
-  // One 16-key tile of K and V of every consumer warp a stage, one copy each.
+  // One 16-key tile of K and V of every consumer warp a stage: one copy each (chunked:
+  // one a 64-wide chunk).
   auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
     unsigned char* st = ring + s * Cfg::kStageBytes;
-    tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
-    tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
+    if constexpr (Cfg::kChunked) {
+      constexpr int CB = TK * 128;  // one chunk's tile
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) tma_load_5d(st + c * CB, &maps.k, bar, 0, c, c2, c3, c4);
+#pragma unroll
+      for (int c = 0; c < DV / 64; ++c)
+        tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3, c4);
+    } else {
+      tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
+      tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
+    }
   };
   const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
   if (tid == W * 32) start_ring<S>(maps, full, empty, W, stage_bytes, nst, kvh, b, ks0, TK, issue);
@@ -319,9 +350,8 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       const int s = it % S;
       mbar_wait(&full[s], (it / S) & 1);
       const int j0 = ks0 + it * TK + kTileKeys * w;
-      const unsigned char* Kt = ring + s * Cfg::kStageBytes + w * kTileKeys * D * sizeof(T);
-      unsigned char* Vt =
-          ring + s * Cfg::kStageBytes + Cfg::kKBytes + w * kTileKeys * DV * sizeof(T);
+      const unsigned char* Kt = ring + s * Cfg::kStageBytes + warp_tile_base<T, D>(w);
+      unsigned char* Vt = ring + s * Cfg::kStageBytes + Cfg::kKBytes + warp_tile_base<T, DV>(w);
       if (j0 < ks1) {
         if (j0 + kTileKeys > ks1) {
           // Keys past the union of the rows' ranges: their scores are masked, but a
@@ -330,8 +360,14 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
           constexpr int RC = DV * sizeof(T) / 16;  // 16-byte chunks a row
           for (int idx = lane; idx < kTileKeys * RC; idx += 32) {
             const int row = idx / RC;
-            if (j0 + row >= ks1)
-              *reinterpret_cast<uint4*>(Vt + idx * 16) = make_uint4(0, 0, 0, 0);
+            if (j0 + row >= ks1) {
+              // (Chunked: the row's own lines in the chunk tiles.)
+              if constexpr (Cfg::kChunked)
+                *reinterpret_cast<uint4*>(Vt + kv_offset<DV, TK>(row, idx % RC)) =
+                    make_uint4(0, 0, 0, 0);
+              else
+                *reinterpret_cast<uint4*>(Vt + idx * 16) = make_uint4(0, 0, 0, 0);
+            }
           }
           fence_proxy_async_smem();  // before TMA refills this stage
           __syncwarp();
@@ -342,18 +378,18 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
           const int f = qk_chunk<D>(c, t);
           qa_ = qa[c];
           qb_ = qb[c];
-          k0 = *reinterpret_cast<const uint4*>(Kt + swizzled<KLPR>(krow0, f));
-          k1 = *reinterpret_cast<const uint4*>(Kt + swizzled<KLPR>(krow1, f));
+          k0 = *reinterpret_cast<const uint4*>(Kt + kv_offset<D, TK>(krow0, f));
+          k1 = *reinterpret_cast<const uint4*>(Kt + kv_offset<D, TK>(krow1, f));
         };
         auto key = [&](int n, int e1) { return j0 + srow[n][e1]; };
         // Thread (g, t) reads dv chunk pv_chunk(c, g) of the rows behind keys 2t, 2t+1,
         // 2t+8, 2t+9: m-tile j's rows g / g+8 are dv 8 pv_chunk + 2j / +1.
         auto pv = [&](int c, uint4& v0, uint4& v1, uint4& v2, uint4& v3) {
           const int h = pv_chunk<DV>(c, g);
-          v0 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow0, h));
-          v1 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow1, h));
-          v2 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow2, h));
-          v3 = *reinterpret_cast<const uint4*>(Vt + swizzled<VLPR>(vrow3, h));
+          v0 = *reinterpret_cast<const uint4*>(Vt + kv_offset<DV, TK>(vrow0, h));
+          v1 = *reinterpret_cast<const uint4*>(Vt + kv_offset<DV, TK>(vrow1, h));
+          v2 = *reinterpret_cast<const uint4*>(Vt + kv_offset<DV, TK>(vrow2, h));
+          v3 = *reinterpret_cast<const uint4*>(Vt + kv_offset<DV, TK>(vrow3, h));
         };
         tc_tile_step<T, D, DV, NT>(a, rowA, rowB, qk, key, pv, mA, mB, lA, lB, acc);
       }

@@ -214,7 +214,7 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
             return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA "
                        "cores, the warps split the head dims, cuda/decode_wide_f32.cuh)")
         return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA cores)")
-    if dims == (128, 128) and cfg.group * cfg.len_q <= 8:
+    if dims in ((128, 128), (256, 256)) and cfg.group * cfg.len_q <= 8:
         return _ok("our decode kernel (split-K over the kv cache; tensor cores, K/V fed by TMA "
                    "on sm_90+, cuda/decode_tma.cuh)")
     if dims == (512, 512):

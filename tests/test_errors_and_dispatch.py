@@ -250,7 +250,8 @@ def test_cuda_serves_with_the_right_kernel(fake_h200, kwargs, direction, kernel)
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=128), "fed by TMA"),
     (dict(dtype="float16", b=1, hq=16, hk=2, lq=1, lk=512, d=128), "fed by TMA"),  # 8 rows
     (dict(dtype="bfloat16", b=1, hq=16, hk=1, lq=1, lk=512, d=128), "tensor cores)"),  # 16 rows
-    (dict(dtype="bfloat16", b=1, hq=8, hk=2, lq=1, lk=512, d=256), "tensor cores)"),
+    (dict(dtype="bfloat16", b=1, hq=8, hk=2, lq=1, lk=512, d=256), "fed by TMA"),  # 4 rows
+    (dict(dtype="bfloat16", b=1, hq=16, hk=1, lq=1, lk=512, d=256), "tensor cores)"),  # 16 rows
     (dict(dtype="float16", b=1, hq=32, hk=4, lq=1, lk=1024, d=512), "decode_wide_tma"),
     (dict(b=1, hq=8, hk=2, lq=1, lk=512, d=128), "CUDA cores"),  # fp32
     (dict(b=1, hq=8, hk=2, lq=1, lk=512, d=512), "decode_wide_f32"),  # fp32 D512

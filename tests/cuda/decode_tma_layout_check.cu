@@ -4,7 +4,8 @@
 // conflicts under the 128-byte swizzle (8 lanes a phase: their 16-byte bank groups must
 // differ). decode_wide_tma_kernel (cuda/decode_wide_tma.cuh) lands each 64-wide chunk of
 // its 16-key tiles as its own swizzled tile and reads it with the D = Dv = 64 orders, so
-// check_qk<64> / check_pv<64> cover it too. Built and run by
+// check_qk<64> / check_pv<64> cover it too; decode_tma_kernel does the same at D = Dv =
+// 256 (kv_offset: one [keys][64] tile a chunk), check_qk<256> / check_pv<256>. Built and run by
 // tests/test_decode_tma_layout.py; prints what fails.
 #include <cstdio>
 #include <set>
@@ -43,9 +44,27 @@ static bool covers(const std::set<int>& seen, int n) {
   return static_cast<int>(seen.size()) == n && *seen.begin() == 0 && *seen.rbegin() == n - 1;
 }
 
+// Stage keys of the D256 checks (W4: 64); a warp's 16-key tile is at row 0 of each chunk tile.
+constexpr int kStageKeys = 64;
+
+// kv_offset covers a 16-key tile's rows exactly once: every 16-byte chunk of every row at
+// its own offset, each inside its row's own 128-byte line(s).
+template <int DIM>
+static void check_offsets() {
+  std::set<unsigned> seen;
+  for (int row = 0; row < 16; ++row)
+    for (int c = 0; c < DIM / 8; ++c) {
+      const unsigned off = kv_offset<DIM, kStageKeys>(row, c);
+      const unsigned line = DIM > 128 ? (c / 8) * kStageKeys + row : row * (DIM / 64) + c / 8;
+      CHECK(off / 128 == line, "kv_offset<%d>(%d, %d) left its line", DIM, row, c);
+      seen.insert(off);
+    }
+  CHECK(static_cast<int>(seen.size()) == 16 * DIM / 8, "kv_offset<%d> is not a bijection", DIM);
+}
+
 template <int D>
 static void check_qk() {
-  constexpr int LPR = D / 64, NKC = D / 32;
+  constexpr int NKC = D / 32;
   std::set<int> chunks;
   for (int c = 0; c < NKC; ++c)
     for (int t = 0; t < 4; ++t) chunks.insert(qk_chunk<D>(c, t));
@@ -55,7 +74,8 @@ static void check_qk() {
     for (int ntile = 0; ntile < 2; ++ntile) {
       unsigned addr[32];
       for (int lane = 0; lane < 32; ++lane)
-        addr[lane] = swizzled<LPR>(key_row((lane >> 2) + 8 * ntile), qk_chunk<D>(c, lane & 3));
+        addr[lane] = kv_offset<D, kStageKeys>(key_row((lane >> 2) + 8 * ntile),
+                                              qk_chunk<D>(c, lane & 3));
       const int deg = conflict_degree(addr);
       CHECK(deg == 1, "K fragment load D%d step %d n-tile %d: %d-way bank conflict", D, c, ntile,
             deg);
@@ -64,7 +84,7 @@ static void check_qk() {
 
 template <int DV>
 static void check_pv() {
-  constexpr int LPR = DV / 64, NVC = DV / 64;
+  constexpr int NVC = DV / 64;
   std::set<int> chunks;
   for (int c = 0; c < NVC; ++c)
     for (int g = 0; g < 8; ++g) chunks.insert(pv_chunk<DV>(c, g));
@@ -75,7 +95,8 @@ static void check_pv() {
     for (int kk : keys) {
       unsigned addr[32];
       for (int lane = 0; lane < 32; ++lane)
-        addr[lane] = swizzled<LPR>(key_row(2 * (lane & 3) + kk), pv_chunk<DV>(c, lane >> 2));
+        addr[lane] = kv_offset<DV, kStageKeys>(key_row(2 * (lane & 3) + kk),
+                                               pv_chunk<DV>(c, lane >> 2));
       const int deg = conflict_degree(addr);
       CHECK(deg == 1, "V fragment load DV%d step %d keys 2t+%d: %d-way bank conflict", DV, c, kk,
             deg);
@@ -97,10 +118,19 @@ int main() {
     }
     CHECK(seen.size() == 16, "swizzled<2> is not a bijection on row %d", row);
   }
+  // At D <= 128 kv_offset is the one-tile swizzle.
+  for (int row = 0; row < 16; ++row)
+    for (int c = 0; c < 16; ++c)
+      CHECK((kv_offset<128, kStageKeys>(row, c) == swizzled<2>(row, c)), "kv_offset<128> moved");
+  check_offsets<64>();
+  check_offsets<128>();
+  check_offsets<256>();
   check_qk<64>();
   check_qk<128>();
+  check_qk<256>();
   check_pv<64>();
   check_pv<128>();
+  check_pv<256>();
   std::printf("%s (%d failures)\n", failures == 0 ? "ok" : "FAILED", failures);
   return failures == 0 ? 0 : 1;
 }
