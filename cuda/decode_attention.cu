@@ -107,6 +107,12 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
 // The largest cluster (splits of a unit) the cluster merge takes: 16 is the H100 / H200
 // limit with non-portable sizes allowed (8 portable).
 constexpr int kMaxClusterSplits = 16;
+// ... and the most splits it takes by default (COMBINE unset). H200: at 2 splits the
+// cluster merge beat the combine kernel (B8 H32/KV8 Lk8192 D128 3823 vs 3736 GB/s,
+// results/gpu_decode_sweep_20261130T1843.json); at 16 it lost (B1 H32/KV8 Lk8192 D256,
+// decode_tma_kernel: 2400 vs 2492, gpu_decode_sweep_20261130T1954.json). Between: not
+// measured. COMBINE=cluster takes up to kMaxClusterSplits.
+constexpr int kAutoClusterSplits = 8;
 
 // Whether a cluster-merge kernel's grid (units clusters of n blocks) is resident at once:
 // one wave, so that no cluster waits for another to leave its GPC.
@@ -267,6 +273,7 @@ KnobRequest knob_request() {
 //   once the units fill the SMs). At 16 rows a block (R 64, B8 Lk4096) it took 174.6 us
 //   where cuDNN took 113.2 (results/gpu_decode_crossover_20261130T1522.json;
 //   decode_tc_kernel was within 1.06x of cuDNN there, _T1344): so not there.
+// - decode_tma_kernel at D = Dv = 256, W4 S3 (below).
 // - decode_wide_tma_kernel at D = Dv = 512, NW4 S6 KT2 (results/
 //   gpu_decode_sweep_20261130T1702.json).
 bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const KnobRequest& req,
@@ -280,8 +287,10 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
     return true;
   }
   if (p.head_dim == 256 && !req.tma_off) {
-    // A first guess, not yet measured: W4 S3 (201 KB, one block an SM, 128 KB in flight
-    // while a stage is consumed).
+    // W4 S3 (201 KB, one block an SM). H200, GB/s (results/gpu_decode_sweep_20261130T1954):
+    // B1 H32/KV8 Lk8192 2400 (W4 S2 2373, W6 S2 2309, W2 S4 2120, W2 S6 2026,
+    // decode_tc_kernel 2328; with the combine kernel instead of the cluster merge 2492);
+    // B16 Lk4096 4029 (W4 S2 4023, W6 S2 4020, decode_tc_kernel 3516).
     v->tma = true;
     v->warps = 4;
     v->stages = 3;
@@ -497,11 +506,12 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     n = snap_splits(n, p.len_kv, gran);
   }
   plan->num_splits = n;
-  // Behind decode_tma_kernel at 2..16 splits: the splits of a unit merge in a thread-block
-  // cluster (cluster_finish: no partials in global memory, no combine launch), where all
-  // the units' clusters fit the GPU at once.
-  if (k.variant.tma && !k.variant.wide && n >= 2 && n <= kMaxClusterSplits &&
-      (combine == Combine::kAuto || combine == Combine::kCluster)) {
+  // Behind decode_tma_kernel at 2..8 splits (COMBINE=cluster: 2..16): the splits of a unit
+  // merge in a thread-block cluster (cluster_finish: no partials in global memory, no
+  // combine launch), where all the units' clusters fit the GPU at once.
+  if (k.variant.tma && !k.variant.wide && n >= 2 &&
+      ((combine == Combine::kAuto && n <= kAutoClusterSplits) ||
+       (combine == Combine::kCluster && n <= kMaxClusterSplits))) {
     KernelVariant cv = k.variant;
     cv.cluster = true;
     const KernelInfo ck = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, cv);

@@ -363,14 +363,21 @@ def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
     beat ours on every fp32 row (1.0-1.36x, the 1.36x at D512 with decode_wide_f32_kernel)
     and at head dims > 256 (D512 B1: 1.1-1.45x with decode_wide_tma_kernel,
     benchmarks/results/gpu_decode_bench_20261130T1848.json); 16-bit at D <= 256 ours
-    matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x)."""
+    matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x).
+    At D = Dv = 256 (16 bits), plain decode too, from CUDA_DECODE_MIN_KV_BYTES of K + V:
+    there cuDNN was the slowest implementation, and decode_tma_kernel 1.23-1.31x faster
+    than it at H32/KV8 B1-B32 Lk2048-8192 (67-2150 MB; 0.95x at B1 Lk2048, 17 MB),
+    benchmarks/results/gpu_decode_crossover_20261130T1954.json (D192: not measured)."""
     rows = cfg.len_q * cfg.group
-    if supports_cudnn(cfg, direction, platform)[0]:
-        return 4 < rows <= 32
-    if cfg.dtype == np.dtype(np.float32) or max(cfg.head_dim, cfg.head_dim_v) > 256:
-        return False
+    dmax = max(cfg.head_dim, cfg.head_dim_v)
     kv_bytes = (cfg.batch * cfg.heads_kv * cfg.len_kv * (cfg.head_dim + cfg.head_dim_v)
                 * cfg.dtype.itemsize)
+    if supports_cudnn(cfg, direction, platform)[0]:
+        if rows <= 4 and cfg.head_dim == cfg.head_dim_v == 256:
+            return kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
+        return 4 < rows <= 32
+    if cfg.dtype == np.dtype(np.float32) or dmax > 256:
+        return False
     return kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
 
 
