@@ -435,7 +435,7 @@ def _row_inputs(dt, B, Hq, Hk, Lk, D, Lq=1, seed=1):
     return q, k, v
 
 
-def _impls(dt, D, seq_major_too=False):
+def _impls(dt, D, seq_major_too=False, with_api=False):
     impls = {"ours": (lambda q, k, v: ours(q, k, v)[0], False)}
     if seq_major_too:
         impls["ours_seq_major"] = (lambda q, k, v: ours(q, k, v, seq_major=True)[0], True)
@@ -444,6 +444,14 @@ def _impls(dt, D, seq_major_too=False):
     if dt != "fp32" and D <= 256:
         impls["jax.nn cudnn"] = (
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), True)
+    if with_api:
+        import jax_sdpa  # the installed package
+
+        # What a user gets: implementation=None (the dispatch's choice), and our own XLA
+        # path, which it falls back to where neither CUDA kernel wins.
+        impls["jax_sdpa auto"] = (lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v), True)
+        impls["jax_sdpa xla"] = (lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, implementation="xla"), True)
     return impls
 
 
@@ -469,7 +477,8 @@ def bench_one(dt, B, Hq, Hk, Lk, D, Lq=1, impls=None, target_s=30e-3):
 def run_bench(copy_bw, rows=BENCH_ROWS):
     out = []
     for n, (name, dt, B, Hq, Hk, Lk, D) in enumerate(rows):
-        nbytes, K, res = bench_one(dt, B, Hq, Hk, Lk, D, impls=_impls(dt, D, seq_major_too=n < 2))
+        nbytes, K, res = bench_one(dt, B, Hq, Hk, Lk, D,
+                                   impls=_impls(dt, D, seq_major_too=n < 2, with_api=True))
         for r in res.values():
             if "GBps" in r:
                 r["frac_copy"] = r["GBps"] * 1e9 / copy_bw
@@ -508,6 +517,8 @@ SWEEP = [
                      {"COMBINE": "kernel"}, {"TMA": "off"}]),
     (("B16 H32/KV8 Lk4096 D256", "bf16", 16, 32, 8, 4096, 256),
      [{}, {"TMA": "4,2"}, {"TMA": "6,2"}, {"TMA": "off"}]),
+    # D512 fp16 Lk1024 (fixed costs dominate): fewer, longer splits (default ~32).
+    (BENCH_ROWS[3], [{}, {"SPLITS": "24"}, {"SPLITS": "16"}, {"SPLITS": "8"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",
