@@ -588,7 +588,8 @@ def run_sweep(copy_bw, budget_s=150.0, only=()):
 def run_crossover(dims=(128,)):
     """Ours vs jax.nn cudnn (and xla at D != 128) on decode shapes, bf16 H32/KV8: at D128
     over batch, cache length and query rows per kv head (the dispatch rule's grid); at
-    other head dims (--crossover-dims) plain decode over batch and cache length."""
+    other head dims (--crossover-dims) plain decode over batch and cache length, and B8
+    Lk4096 at 8 / 16 / 32 query rows per kv head."""
     pts = []
     grid = []
     for D in dims:
@@ -597,6 +598,7 @@ def run_crossover(dims=(128,)):
             grid += [(8, 4096, Lq, D) for Lq in (2, 4, 8, 16)]
         else:
             grid += [(B, Lk, 1, D) for B in (1, 8, 32) for Lk in (2048, 8192)]
+            grid += [(8, 4096, Lq, D) for Lq in (2, 4, 8)]  # R = 8 / 16 / 32
     for (B, Lk, Lq, D) in grid:
         keep = ("ours", "jax.nn cudnn") if D == 128 else ("ours", "jax.nn cudnn", "jax.nn xla")
         impls = {k_: v_ for k_, v_ in _impls("bf16", D).items() if k_ in keep}
