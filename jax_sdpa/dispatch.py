@@ -354,31 +354,34 @@ def supports(name: str, cfg: Config, direction: str, platform: str) -> Verdict:
 CUDA_DECODE_MIN_KV_BYTES = 32 << 20
 
 
-def _cuda_decode_wins(cfg: Config, direction: str, platform: str) -> bool:
-    """Where our decode kernel beat cuDNN and XLA on the H200 (docs/cuda_decode.md; K =
-    64..1024 dependent calls per timed execution, 2026-11-30). With R = Lq * Hq/Hk query
-    rows per kv head, cuDNN re-reads K/V per query head once Lq > 1, so ours wins for
-    4 < R <= 32 (B8 H32/KV8 Lk4096: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64;
-    plain decode, R = 4: cuDNN 1.1-1.6x faster). Where cuDNN can't serve: XLA matched or
-    beat ours on every fp32 row (1.0-1.36x, the 1.36x at D512 with decode_wide_f32_kernel)
-    and at head dims > 256 (D512 B1: 1.1-1.45x with decode_wide_tma_kernel,
-    benchmarks/results/gpu_decode_bench_20261130T1848.json); 16-bit at D <= 256 ours
-    matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x).
-    At D = Dv = 256 (16 bits), plain decode too, from CUDA_DECODE_MIN_KV_BYTES of K + V:
-    there cuDNN was the slowest implementation, and decode_tma_kernel 1.23-1.31x faster
-    than it at H32/KV8 B1-B32 Lk2048-8192 (67-2150 MB; 0.95x at B1 Lk2048, 17 MB),
-    benchmarks/results/gpu_decode_crossover_20261130T1954.json (D192: not measured)."""
+def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
+    """Where our decode kernel ("cuda") or our own XLA path ("xla") beat cuDNN on the H200
+    (docs/cuda_decode.md; K = 64..1024 dependent calls per timed execution, 2026-11-30);
+    None: the usual order (cuDNN where it serves). With R = Lq * Hq/Hk query rows per kv
+    head, cuDNN re-reads K/V per query head once Lq > 1, so ours wins for 4 < R <= 32 (B8
+    H32/KV8 Lk4096 D128: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64; D192 / D256:
+    1.4-2.6x at R 8-32, gpu_decode_crossover_20261130T2010.json). Plain decode (R <= 4):
+    at D128 cuDNN was as fast or faster (1.0-1.2x), so cuDNN; at D = Dv in {192, 256} it
+    was the slowest of the three: ours from CUDA_DECODE_MIN_KV_BYTES of K + V (1.11-1.41x
+    cuDNN at D192, 1.19-1.31x at D256, H32/KV8 B1-B32 Lk2048-8192), our XLA path below
+    (B1 Lk2048: 11.3 / 10.7 us vs cuDNN 12.7 / 13.1, ours 19.7 / 13.6; T2010).
+    Where cuDNN can't serve: XLA matched or beat ours on every fp32 row (1.0-1.36x, the
+    1.36x at D512 with decode_wide_f32_kernel) and at head dims > 256 (D512 B1: 1.1-1.45x
+    with decode_wide_tma_kernel, benchmarks/results/gpu_decode_bench_20261130T1848.json);
+    16-bit at D <= 256 ours matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64
+    1.04x) from CUDA_DECODE_MIN_KV_BYTES."""
     rows = cfg.len_q * cfg.group
     dmax = max(cfg.head_dim, cfg.head_dim_v)
     kv_bytes = (cfg.batch * cfg.heads_kv * cfg.len_kv * (cfg.head_dim + cfg.head_dim_v)
                 * cfg.dtype.itemsize)
+    big = kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
     if supports_cudnn(cfg, direction, platform)[0]:
-        if rows <= 4 and cfg.head_dim == cfg.head_dim_v == 256:
-            return kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
-        return 4 < rows <= 32
+        if rows <= 4 and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (192, 256):
+            return "cuda" if big else "xla"
+        return "cuda" if 4 < rows <= 32 else None
     if cfg.dtype == np.dtype(np.float32) or dmax > 256:
-        return False
-    return kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
+        return None
+    return "cuda" if big else None
 
 
 def _cuda_flash_preferred(cfg: Config) -> bool:
@@ -392,7 +395,7 @@ def _cuda_flash_preferred(cfg: Config) -> bool:
     head dims > 256 (the wide-head kernels): D512 bf16 causal L4096 ours 119 / 94 vs xla
     132 / 173, so only where xla would materialize more scores than
     XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
-    `_cuda_decode_wins`, own those).
+    `_decode_pick`, own those).
     """
     if cfg.is_decode:
         return False
@@ -405,9 +408,12 @@ def _cuda_flash_preferred(cfg: Config) -> bool:
 def _preference(cfg: Config, platform: str, direction: str):
     """Fused implementations to try, fastest first, on this platform."""
     if platform == "cuda":
-        if (cfg.is_decode and cuda_decode_serves(cfg, direction)[0]
-                and _cuda_decode_wins(cfg, direction, platform)):
-            return ["cuda", "cudnn"]
+        if cfg.is_decode and cuda_decode_serves(cfg, direction)[0]:
+            pick = _decode_pick(cfg, direction, platform)
+            if pick == "cuda":
+                return ["cuda", "cudnn"]
+            if pick == "xla":
+                return []  # our XLA path (_xla_choice)
         if not supports_cudnn(cfg, direction, platform)[0] and _cuda_flash_preferred(cfg):
             return ["cuda"]
         return ["cudnn"]

@@ -330,11 +330,16 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=4096, d=128), "fwd", "cudnn"),  # R=4
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=8, lk=4096, d=128), "fwd", "cuda"),  # R=32
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=16, lk=4096, d=128), "fwd", "cudnn"),  # R=64
-    # ... and at D = Dv = 256 plain decode too, from CUDA_DECODE_MIN_KV_BYTES of K + V
+    # ... and at D = Dv in {192, 256} plain decode too: ours from CUDA_DECODE_MIN_KV_BYTES
+    # of K + V, our XLA path below (cuDNN was the slowest there)
     (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=8192, d=256), "fwd", "cuda"),  # 67 MB
     (dict(dtype="float16", b=8, hq=32, hk=8, lq=1, lk=2048, d=256), "fwd", "cuda"),
-    (dict(dtype="float16", b=8, hq=32, hk=8, lq=1, lk=2048, d=192), "fwd", "cudnn"),
-    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=2048, d=256), "fwd", "cudnn"),  # 17 MB
+    (dict(dtype="float16", b=8, hq=32, hk=8, lq=1, lk=2048, d=192), "fwd", "cuda"),
+    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=2048, d=256), "fwd", "xla"),  # 17 MB
+    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=2048, d=192), "fwd", "xla"),
+    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=8192, d=192, dv=128), "fwd", "cudnn"),
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=8, lk=4096, d=256), "fwd", "cuda"),  # R=32
+    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=8192, d=256), "bwd", "cudnn"),
 ])
 def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
     dispatch = fake_h200
