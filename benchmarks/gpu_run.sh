@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
-#                                           decode_crossover flash_check flash_highest xla_pv api
+#                                           decode_crossover flash_check flash_highest api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -168,14 +168,6 @@ if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"
   (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
      --only check --out "$OUT" 2>&1 | grep -E "FAIL|check:|Error|error" | tail -20) || rc=1
-fi
-
-if has xla_pv; then
-  say "our XLA path's P @ V on 16-bit decode rows: split (default) / f32 / v16, beside jax.nn xla"
-  for variant in split f32 v16 jax.nn; do
-    (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout 120 python3 -P $repo/benchmarks/xla_pv_variants.py \
-       --variant $variant --out "$OUT" 2>&1 | grep -E "^pv|Error" | tail -8) || rc=1
-  done
 fi
 
 if has flash_highest; then

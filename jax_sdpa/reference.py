@@ -143,7 +143,8 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
     finite = jnp.isfinite(lse)
     p = jnp.where(finite[..., None],
                   p / jnp.where(finite, total, 1)[..., None], 0)
-    out = _probs_times_values(p, v, precision, acc)
+    out = jnp.einsum("bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), v,
+                     precision=precision, preferred_element_type=acc)
     out = out.reshape(b, hq, lq, v.shape[-1]).astype(q.dtype)
     lse = lse.reshape(b, hq, lq).astype(jnp.float32)
     return _from_bhld(out, params.seq_major), lse
@@ -153,29 +154,6 @@ def _pv_dtype(v_dtype, acc):
     # Probabilities stay in the accumulation dtype: more accurate than rounding
     # them to bf16 first, and the same on every backend.
     return jnp.promote_types(v_dtype, acc)
-
-
-# Query rows per kv head up to which P @ V reads V in its own 16-bit dtype (below).
-SPLIT_PV_MAX_ROWS = 32
-
-
-def _probs_times_values(p, v, precision, acc):
-    """P [B, Hk, G, Lq, Lk] (acc dtype) @ V [B, Hk, Lk, Dv] in acc.
-
-    For 16-bit V with few query rows per kv head (decode), the product only streams V:
-    there P goes in as two 16-bit parts, hi = P rounded to V's dtype and lo = the rest,
-    stacked as extra rows of one 16-bit matmul, so V is read once in its own dtype (an
-    fp32 P would make XLA convert V to fp32 first) and P keeps ~16 (bf16) / ~22 (fp16)
-    bits instead of 8 / 11."""
-    g, lq = p.shape[2], p.shape[3]
-    if v.dtype not in (jnp.bfloat16, jnp.float16) or g * lq > SPLIT_PV_MAX_ROWS:
-        return jnp.einsum("bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), v,
-                          precision=precision, preferred_element_type=acc)
-    hi = p.astype(v.dtype)
-    lo = (p - hi.astype(p.dtype)).astype(v.dtype)
-    both = jnp.einsum("bkgij,bkjd->bkgid", jnp.concatenate([hi, lo], axis=3), v,
-                      precision=precision, preferred_element_type=acc)
-    return both[:, :, :, :lq] + both[:, :, :, lq:]
 
 
 def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
