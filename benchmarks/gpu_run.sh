@@ -159,7 +159,8 @@ if has decode_ncu_source; then
      --warp-sampling-interval 0 --page source --csv --print-source ${NCU_SOURCE_VIEW:-sass} \
      python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} --peers "" \
      > "$OUT/decode_ncu_source.csv" 2>&1) || rc=1
-  python3 benchmarks/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} \
+  lines=""; [[ "${NCU_SOURCE_VIEW:-sass}" == cuda* ]] && lines="--lines"
+  python3 benchmarks/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} $lines \
      > "$OUT/decode_ncu_source_top.txt" 2>&1 || rc=1
   head -c 12000 "$OUT/decode_ncu_source_top.txt"
 fi
