@@ -163,52 +163,39 @@ def _cases():
                  Lk=900, D=256, Dv=256, wr=0),
         ]
     # D256 at 8 rows a block (16 bits: decode_tma_kernel with one tile a 64-wide chunk on
-    # sm_90+): the features.
+    # sm_90+) and D512 (the wide kernels at 16 bits, decode_wide_tma_kernel on sm_90+;
+    # fp32: the CUDA-core kernels): the features.
     for dt in ("bf16", "fp16"):
-        c = lambda **kw: dict(dt=dt, D=256, Dv=256, **kw)  # noqa: E731
-        cases += [
-            c(name=f"{dt} D256 Lq2 G4 causal-br qlen kvlen", B=3, Hq=8, Hk=2, Lq=2, Lk=700,
-              wr=0, kvlen="rand", qlen="rand"),
-            c(name=f"{dt} D256 Lq2 G4 causal top-left", B=2, Hq=8, Hk=2, Lq=2, Lk=300, wr=0,
-              bottom_right=False),
-            c(name=f"{dt} D256 bool mask [B,1,Lq,Lk] + empty row", B=2, Hq=8, Hk=2, Lq=2,
-              Lk=450, mask="bool_b1"),
-            c(name=f"{dt} D256 additive bf16 mask full with -inf", B=2, Hq=8, Hk=4, Lq=2,
-              Lk=333, mask="add_bf16_full"),
-            c(name=f"{dt} D256 sinks [B,Hq] + kvlen 0 rows", B=3, Hq=8, Hk=2, Lq=1, Lk=500,
-              sinks="batch", kvlen="zero1"),
-            c(name=f"{dt} D256 window 100 bottom-right", B=2, Hq=8, Hk=2, Lq=2, Lk=1200,
-              wl=100, wr=0),
-            c(name=f"{dt} D256 seq_major kvlen", B=2, Hq=8, Hk=2, Lq=2, Lk=700, seq_major=True,
-              kvlen="rand"),
-            c(name=f"{dt} D256 Lk17 qlen0 row", B=2, Hq=8, Hk=2, Lq=1, Lk=17, qlen="zero1"),
-            c(name=f"{dt} D256 B2 G4 Lk8192 kvlen", B=2, Hq=32, Hk=8, Lq=1, Lk=8192,
-              kvlen="rand"),
-        ]
-    # D512 (the wide kernels at 16 bits, decode_wide_tma_kernel on sm_90+; fp32: the
-    # CUDA-core kernels): the features.
+        cases += _feature_cases(dt, 256, top_left="Lq2 G4 causal top-left", top_left_lq=2,
+                                long=("B2 G4 Lk8192 kvlen", 8))
     for dt in ("bf16", "fp16", "fp32"):
-        c = lambda **kw: dict(dt=dt, D=512, Dv=512, **kw)  # noqa: E731
-        cases += [
-            c(name=f"{dt} D512 Lq2 G4 causal-br qlen kvlen", B=3, Hq=8, Hk=2, Lq=2, Lk=700,
-              wr=0, kvlen="rand", qlen="rand"),
-            c(name=f"{dt} D512 Lq3 G4 causal top-left (2 row chunks)", B=2, Hq=8, Hk=2, Lq=3,
-              Lk=300, wr=0, bottom_right=False),
-            c(name=f"{dt} D512 bool mask [B,1,Lq,Lk] + empty row", B=2, Hq=8, Hk=2, Lq=2,
-              Lk=450, mask="bool_b1"),
-            c(name=f"{dt} D512 additive bf16 mask full with -inf", B=2, Hq=8, Hk=4, Lq=2,
-              Lk=333, mask="add_bf16_full"),
-            c(name=f"{dt} D512 sinks [B,Hq] + kvlen 0 rows", B=3, Hq=8, Hk=2, Lq=1, Lk=500,
-              sinks="batch", kvlen="zero1"),
-            c(name=f"{dt} D512 window 100 bottom-right", B=2, Hq=8, Hk=2, Lq=2, Lk=1200,
-              wl=100, wr=0),
-            c(name=f"{dt} D512 seq_major kvlen", B=2, Hq=8, Hk=2, Lq=2, Lk=700, seq_major=True,
-              kvlen="rand"),
-            c(name=f"{dt} D512 Lk17 qlen0 row", B=2, Hq=8, Hk=2, Lq=1, Lk=17, qlen="zero1"),
-            c(name=f"{dt} D512 B1 G8 Lk8192 kvlen", B=2, Hq=32, Hk=4, Lq=1, Lk=8192,
-              kvlen="rand"),
-        ]
+        cases += _feature_cases(dt, 512, top_left="Lq3 G4 causal top-left (2 row chunks)",
+                                top_left_lq=3, long=("B1 G8 Lk8192 kvlen", 4))
     return cases
+
+
+def _feature_cases(dt, D, top_left, top_left_lq, long):
+    """One head dim's feature cases (D = Dv): causal both alignments, masks, sinks with
+    empty rows, window, seq_major, lengths; `long` = (name, Hk) of a Lk8192 case."""
+    c = lambda **kw: dict(dt=dt, D=D, Dv=D, **kw)  # noqa: E731
+    p = f"{dt} D{D}"
+    return [
+        c(name=f"{p} Lq2 G4 causal-br qlen kvlen", B=3, Hq=8, Hk=2, Lq=2, Lk=700, wr=0,
+          kvlen="rand", qlen="rand"),
+        c(name=f"{p} {top_left}", B=2, Hq=8, Hk=2, Lq=top_left_lq, Lk=300, wr=0,
+          bottom_right=False),
+        c(name=f"{p} bool mask [B,1,Lq,Lk] + empty row", B=2, Hq=8, Hk=2, Lq=2, Lk=450,
+          mask="bool_b1"),
+        c(name=f"{p} additive bf16 mask full with -inf", B=2, Hq=8, Hk=4, Lq=2, Lk=333,
+          mask="add_bf16_full"),
+        c(name=f"{p} sinks [B,Hq] + kvlen 0 rows", B=3, Hq=8, Hk=2, Lq=1, Lk=500,
+          sinks="batch", kvlen="zero1"),
+        c(name=f"{p} window 100 bottom-right", B=2, Hq=8, Hk=2, Lq=2, Lk=1200, wl=100, wr=0),
+        c(name=f"{p} seq_major kvlen", B=2, Hq=8, Hk=2, Lq=2, Lk=700, seq_major=True,
+          kvlen="rand"),
+        c(name=f"{p} Lk17 qlen0 row", B=2, Hq=8, Hk=2, Lq=1, Lk=17, qlen="zero1"),
+        c(name=f"{p} {long[0]}", B=2, Hq=32, Hk=long[1], Lq=1, Lk=8192, kvlen="rand"),
+    ]
 
 
 def _make_inputs(case, rng):
