@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
-#                                           decode_crossover flash_check flash_highest api
+#                                           decode_crossover flash_check flash_highest flash_wgmma api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -169,6 +169,20 @@ if has flash_check; then
   say "our CUDA flash kernels: correctness (TF32)"
   (cd /tmp && timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P $repo/benchmarks/gpu_flash_check.py \
      --only check --out "$OUT" 2>&1 | grep -E "FAIL|check:|Error|error" | tail -20) || rc=1
+fi
+
+if has flash_wgmma; then
+  # The wgmma forward draft (JAX_SDPA_FLASH_WGMMA=1, cuda/flash_fwd_wgmma.cu): the check's
+  # 16-bit cases with head dims in (256, 512], then the D512 bench row with it and without.
+  say "wgmma flash forward (draft): correctness on the wide-head cases, then D512 timing"
+  (cd /tmp && JAX_SDPA_FLASH_WGMMA=1 timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" --out "$OUT/wgmma" \
+     2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" | tail -30) || rc=1
+  for w in 1 0; do
+    (cd /tmp && JAX_SDPA_FLASH_WGMMA=$w JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P \
+       $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 --out "$OUT/wgmma_bench_$w" \
+       2>&1 | tail -4) || rc=1
+  done
 fi
 
 if has flash_highest; then

@@ -1,6 +1,7 @@
 // bf16 instantiations of the flash forward + backward kernels (see flash_attention.cuh).
 #include "cuda/flash_attention_bwd.cuh"
 #include "cuda/flash_bwd_wide.h"
+#include "cuda/flash_fwd_wgmma.h"
 #include "cuda/flash_fwd_wide.cuh"
 
 
@@ -9,9 +10,12 @@ namespace cuda_flash {
 
 cudaError_t launch_forward_bf16(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                cudaStream_t stream) {
-  // Head dims in (256, 512]: the wide-head kernel (flash_fwd_wide.cuh).
+  // Head dims in (256, 512]: the wide-head kernel (flash_fwd_wide.cuh); with
+  // JAX_SDPA_FLASH_WGMMA=1 on sm_90a the wgmma draft first (flash_fwd_wgmma.cu).
   if (fast_kernels_enabled()) {
-    const cudaError_t e = wide::launch_forward_wide<__nv_bfloat16>(p, buf, stream);
+    cudaError_t e = launch_forward_wgmma(p, buf, stream);
+    if (e != cudaErrorNotSupported) return e;
+    e = wide::launch_forward_wide<__nv_bfloat16>(p, buf, stream);
     if (e != cudaErrorNotSupported) return e;
   }
   return p.head_dim_v > 64 ? launch_fwd_t<__nv_bfloat16, 0, 128>(p, buf, stream)
