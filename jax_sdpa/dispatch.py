@@ -362,8 +362,9 @@ def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
     H32/KV8 Lk4096 D128: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64; D192 / D256:
     1.4-2.6x at R 8-32, gpu_decode_crossover_20261130T2010.json). Plain decode (R <= 4):
     at D128 cuDNN was as fast or faster (1.0-1.2x), so cuDNN; at D = Dv in {192, 256} it
-    was the slowest of the three: ours from CUDA_DECODE_MIN_KV_BYTES of K + V (1.11-1.41x
-    cuDNN at D192, 1.19-1.31x at D256, H32/KV8 B1-B32 Lk2048-8192), our XLA path below
+    was the slowest of ours, cuDNN and our XLA path at 10 of 12 points (H32/KV8 B1-B32
+    Lk2048-8192; at B1 Lk2048 ours was): ours from CUDA_DECODE_MIN_KV_BYTES of K + V
+    (1.11-1.41x cuDNN at D192, 1.19-1.31x at D256 there), our XLA path below
     (B1 Lk2048: 11.3 / 10.7 us vs cuDNN 12.7 / 13.1, ours 19.7 / 13.6; T2010).
     Where cuDNN can't serve: XLA matched or beat ours on every fp32 row (1.0-1.36x, the
     1.36x at D512 with decode_wide_f32_kernel) and at head dims > 256 (D512 B1: 1.1-1.45x
