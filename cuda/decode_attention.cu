@@ -419,20 +419,17 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // 16 rows per block (tensor cores, Dv <= 256) when the group has more than 8.
   int rb = 8;
   if (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) rb = 16;
-  // A TMA kernel (asked for, or the default for these dims) runs where it can: sm_90+,
-  // 16 bits, K / V strides a tensor map can describe (a trial encode).
+  // A TMA kernel (asked for, or the default for these dims) runs where it can: sm_90+ and
+  // K / V strides its tensor maps can describe (a trial encode with the kernel's own
+  // boxes); elsewhere the plain default.
   KernelVariant dflt;
-  const bool tma_dflt = want == default_request() &&
-                        tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req,
-                                    &dflt);
-  const KernelVariant& tma_want = tma_dflt ? dflt : want;
-  const bool tma_ok = tma_want.tma && f.cc_major >= 9 && p.dtype != DType::kF32 &&
-                      (tma_want.wide ? tma_mappable(p, kTileKeys, true)
-                                     : tma_mappable(p, 64, p.head_dim > 128));
-  if (tma_dflt && tma_ok) want = dflt;
+  if (want == default_request() &&
+      tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req, &dflt))
+    want = dflt;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
-  if (k.variant.tma && !tma_ok) {
+  if (k.variant.tma &&
+      !(f.cc_major >= 9 && tma_mappable(p, k.tma_box_keys, k.tma_chunk_boxes))) {
     want = default_request();
     k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
     if (k.func == nullptr) return cudaErrorInvalidValue;

@@ -89,8 +89,8 @@ std::string unsupported_reason(const SdpaParams& p);
 //   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the heuristic)
 //   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel|cluster   how split partials merge
 //                                     (auto: in a thread-block cluster behind
-//                                     decode_tma_kernel at 2..16 splits where the clusters fit
-//                                     one wave; else fused when the last block's merge is
+//                                     decode_tma_kernel at 2..8 splits where the clusters fit
+//                                     one wave (cluster: up to 16); else fused when the last block's merge is
 //                                     short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_L2=0|128|256|132  L2 mode of the K/V copies, where built (unset:
@@ -99,8 +99,8 @@ std::string unsupported_reason(const SdpaParams& p);
 //                                     rows a block): NW warps splitting the head dims, S
 //                                     stages; on fp32 (D = Dv = 512: the default there, NW8
 //                                     S3) decode_wide_f32_kernel; off: never
-//   JAX_SDPA_CUDA_DECODE_TMA=W,S|off  decode_tma_kernel (sm_90+, 16-bit D = Dv = 128; the
-//                                     default there): W consumer warps, S stages of 16 W
+//   JAX_SDPA_CUDA_DECODE_TMA=W,S|off  decode_tma_kernel (sm_90+, 16-bit D = Dv in {128,
+//                                     256}; the default there): W consumer warps, S stages of 16 W
 //                                     keys; off: never
 //   JAX_SDPA_CUDA_DECODE_TMA_L2=n     its tensor maps' L2 fetch bytes (0, 64, 128, 256)
 //   JAX_SDPA_CUDA_DECODE_WIDE_TMA=NW,S,KT|off  decode_wide_tma_kernel (sm_90+, 16-bit

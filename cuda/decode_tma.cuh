@@ -83,6 +83,21 @@ __device__ __forceinline__ void produce_stages(const TmaMaps& maps, uint64_t* fu
   }
 }
 
+// One stage's copies when each 64-wide chunk of the head dims is its own [keys][64]
+// tile (decode_wide_tma_kernel; decode_tma_kernel at D > 128): K's D / 64 tiles of
+// tile_bytes from `stage`, then V's DV / 64 from stage + k_bytes, all completing on `bar`.
+template <int D, int DV>
+__device__ __forceinline__ void issue_chunk_tiles(unsigned char* stage, size_t k_bytes,
+                                                  int tile_bytes, const TmaMaps& maps,
+                                                  uint64_t* bar, int c2, int c3, int c4) {
+#pragma unroll
+  for (int c = 0; c < D / 64; ++c)
+    tma_load_5d(stage + c * tile_bytes, &maps.k, bar, 0, c, c2, c3, c4);
+#pragma unroll
+  for (int c = 0; c < DV / 64; ++c)
+    tma_load_5d(stage + k_bytes + c * tile_bytes, &maps.v, bar, 0, c, c2, c3, c4);
+}
+
 // The producer thread's first act: fetch both descriptors while the block computes its
 // work and key range.
 __device__ __forceinline__ void prefetch_maps(const TmaMaps& maps) {
@@ -289,12 +304,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
     unsigned char* st = ring + s * Cfg::kStageBytes;
     if constexpr (Cfg::kChunked) {
-      constexpr int CB = TK * 128;  // one chunk's tile
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) tma_load_5d(st + c * CB, &maps.k, bar, 0, c, c2, c3, c4);
-#pragma unroll
-      for (int c = 0; c < DV / 64; ++c)
-        tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3, c4);
+      issue_chunk_tiles<D, DV>(st, Cfg::kKBytes, TK * 128, maps, bar, c2, c3, c4);
     } else {
       tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
       tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);

@@ -91,12 +91,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
   // One copy per 64-wide chunk tile of a stage's K and V.
   auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
-    unsigned char* st = ring + s * Cfg::kStageBytes;
-#pragma unroll
-    for (int c = 0; c < D / 64; ++c) tma_load_5d(st + c * CB, &maps.k, bar, 0, c, c2, c3, c4);
-#pragma unroll
-    for (int c = 0; c < DV / 64; ++c)
-      tma_load_5d(st + Cfg::kKBytes + c * CB, &maps.v, bar, 0, c, c2, c3, c4);
+    issue_chunk_tiles<D, DV>(ring + s * Cfg::kStageBytes, Cfg::kKBytes, CB, maps, bar, c2, c3,
+                             c4);
   };
   const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
   // (Issuing the first S stages before this barrier, as decode_tma_kernel does, held the
