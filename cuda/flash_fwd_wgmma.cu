@@ -29,7 +29,7 @@ namespace jax_sdpa {
 namespace cuda_flash {
 namespace wgmma {
 
-using cuda_common::fence_proxy_async_shared;
+using cuda_common::fence_proxy_async_smem;
 using cuda_common::smem_addr;
 using cuda_common::wgmma_commit;
 using cuda_common::wgmma_desc;
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int kb = kb_begin + tile * kBN;
     cp_async_wait<1>();  // K of this tile (and Q) landed
-    fence_proxy_async_shared();
+    fence_proxy_async_smem();
     __syncthreads();
 
     // ---- S = Q K^T for this warpgroup's 32 keys ----
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
       o[4 * n + 3] *= alpha[1];
     }
     cp_async_wait<1>();  // V of this tile landed (the next K may still be in flight)
-    fence_proxy_async_shared();
+    fence_proxy_async_smem();
     __syncthreads();
 
     // ---- O[:, this half] += P V ----
