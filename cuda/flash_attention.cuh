@@ -154,6 +154,21 @@ __device__ __forceinline__ void load_tile(char* smem, int sstride, const T* g, i
   }
 }
 
+// Keys [lo, hi) that some valid row of the query tile [q0, q0 + bm) may see (its band and
+// the kv length; hi >= lo), both 0 for a tile past qlen: the forwards' block skipping.
+__device__ __forceinline__ void tile_key_range(const FwdArgs& a, int q0, int bm, int qlen,
+                                               int kvlen, int64_t offset, int* lo, int* hi) {
+  int key_lo = 0, key_hi = 0;
+  if (q0 < qlen) {
+    const int last_row = min(q0 + bm, qlen) - 1;
+    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
+    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
+    if (key_hi < key_lo) key_hi = key_lo;
+  }
+  *lo = key_lo;
+  *hi = key_hi;
+}
+
 __device__ __forceinline__ float mask_value(const FwdArgs& a, int b, int h, int i, int j,
                                             bool* visible) {
   if (a.mask_kind == 0) return 0.f;
@@ -169,6 +184,30 @@ __device__ __forceinline__ float mask_value(const FwdArgs& a, int b, int h, int 
   else m = __bfloat162float(static_cast<const __nv_bfloat16*>(a.mask)[idx]);
   if (m == -INFINITY) *visible = false;
   return m;
+}
+
+// Whether every row of the query tile [q0, q0 + bm) sees every key of [kb, kb + bn): no
+// mask tensor, inside both lengths and the band. Such tiles skip the per-element checks.
+__device__ __forceinline__ bool tile_all_visible(const FwdArgs& a, int q0, int bm, int kb, int bn,
+                                                 int qlen, int kvlen, int64_t offset) {
+  return a.mask_kind == 0 && kb + bn <= kvlen && q0 + bm <= qlen &&
+         (a.wr < 0 || static_cast<int64_t>(kb + bn - 1) - (q0 + offset) <= a.wr) &&
+         (a.wl < 0 || static_cast<int64_t>(kb) - (q0 + bm - 1 + offset) >= -a.wl);
+}
+
+// Score x (scaled, base 2) of query row i and key j, or -inf where the row may not see
+// the key (lengths, band); the mask added (log2e-scaled) or applied.
+__device__ __forceinline__ float visible_score(const FwdArgs& a, int b, int h, int i, int j,
+                                               int qlen, int kvlen, int64_t offset, float x) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  bool vis = i < qlen && j < kvlen;
+  if (vis) {
+    const int64_t dd = static_cast<int64_t>(j) - (i + offset);
+    if (a.wl >= 0 && dd < -a.wl) vis = false;
+    if (a.wr >= 0 && dd > a.wr) vis = false;
+  }
+  if (vis && a.mask_kind != 0) x += mask_value(a, b, h, i, j, &vis) * kLog2e;
+  return vis ? x : -INFINITY;
 }
 
 // ---- the forward kernel -------------------------------------------------------------
@@ -205,13 +244,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
 
   // Keys any valid row of the tile may see (band + kv length): block skipping.
-  int key_lo = 0, key_hi = 0;
-  if (q0 < qlen) {
-    const int last_row = min(q0 + kBM, qlen) - 1;
-    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
-    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
-    if (key_hi < key_lo) key_hi = key_lo;
-  }
+  int key_lo, key_hi;
+  tile_key_range(a, q0, kBM, qlen, kvlen, offset, &key_lo, &key_hi);
 
   // Q tile -> shared memory (rows beyond Lq are zero).
   load_tile<T>(sQ, q_stride_b, Q + static_cast<int64_t>(q0) * a.qs[2], a.qs[2], kBM,

@@ -127,6 +127,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
   const float* K = static_cast<const float*>(a.k) + b * a.ks[0] + hk * a.ks[1];
   const float* V = static_cast<const float*>(a.v) + b * a.vs[0] + hk * a.vs[1];
 
+  // (tile_key_range, flash_attention.cuh, computes the same; using it changed this
+  // validated kernel's machine code, so that waits for a GPU run.)
   int key_lo = 0, key_hi = 0;
   if (q0 < qlen) {
     const int last_row = min(q0 + kBM, qlen) - 1;

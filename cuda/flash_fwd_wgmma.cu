@@ -103,13 +103,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
   const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
 
-  int key_lo = 0, key_hi = 0;
-  if (q0 < qlen) {
-    const int last_row = min(q0 + kBM, qlen) - 1;
-    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
-    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
-    if (key_hi < key_lo) key_hi = key_lo;
-  }
+  int key_lo, key_hi;
+  tile_key_range(a, q0, kBM, qlen, kvlen, offset, &key_lo, &key_hi);
   const int kb_begin = (key_lo / kBN) * kBN;
   const int n_tiles = key_hi > kb_begin ? (key_hi - kb_begin + kBN - 1) / kBN : 0;
 
@@ -168,9 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
     cp_async_commit();
 
     // ---- scale (base 2), visibility, the row maxima of both halves ----
-    const bool full = a.mask_kind == 0 && kb + kBN <= kvlen && q0 + kBM <= qlen &&
-                      (a.wr < 0 || static_cast<int64_t>(kb + kBN - 1) - (q0 + offset) <= a.wr) &&
-                      (a.wl < 0 || static_cast<int64_t>(kb) - (q0 + kBM - 1 + offset) >= -a.wl);
+    const bool full = tile_all_visible(a, q0, kBM, kb, kBN, qlen, kvlen, offset);
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 4; ++n)
@@ -178,18 +171,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
         float x = s[4 * n + e] * c;
-        if (!full) {
-          const int i = row[r];
-          const int j = kb + wg * 32 + n * 8 + 2 * t + (e & 1);
-          bool vis = i < qlen && j < kvlen;
-          if (vis) {
-            const int64_t dd = static_cast<int64_t>(j) - (i + offset);
-            if (a.wl >= 0 && dd < -a.wl) vis = false;
-            if (a.wr >= 0 && dd > a.wr) vis = false;
-          }
-          if (vis && a.mask_kind != 0) x += mask_value(a, b, h, i, j, &vis) * kLog2e;
-          x = vis ? x : -INFINITY;
-        }
+        if (!full) x = visible_score(a, b, h, row[r], kb + wg * 32 + n * 8 + 2 * t + (e & 1), qlen, kvlen, offset, x);
         s[4 * n + e] = x;
         mloc[r] = fmaxf(mloc[r], x);
       }

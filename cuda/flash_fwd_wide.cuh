@@ -76,13 +76,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
   const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
 
-  int key_lo = 0, key_hi = 0;
-  if (q0 < qlen) {
-    const int last_row = min(q0 + kBM, qlen) - 1;
-    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
-    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
-    if (key_hi < key_lo) key_hi = key_lo;
-  }
+  int key_lo, key_hi;
+  tile_key_range(a, q0, kBM, qlen, kvlen, offset, &key_lo, &key_hi);
   const int kb_begin = (key_lo / kBN) * kBN;
   const int n_tiles = key_hi > kb_begin ? (key_hi - kb_begin + kBN - 1) / kBN : 0;
 
@@ -169,9 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
       }
 
     // ---- scale (base 2), visibility, online softmax ----
-    const bool full = a.mask_kind == 0 && kb + kBN <= kvlen && q0 + kBM <= qlen &&
-                      (a.wr < 0 || static_cast<int64_t>(kb + kBN - 1) - (q0 + offset) <= a.wr) &&
-                      (a.wl < 0 || static_cast<int64_t>(kb) - (q0 + kBM - 1 + offset) >= -a.wl);
+    const bool full = tile_all_visible(a, q0, kBM, kb, kBN, qlen, kvlen, offset);
     float mnew[2] = {m[0], m[1]};
 #pragma unroll
     for (int n = 0; n < kNT; ++n)
@@ -180,6 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
         const int r = e / 2;
         float x = s[n][e] * c;
         if (!full) {
+          // (visible_score, flash_attention.cuh, computes the same; using it changed this
+          // validated kernel's machine code, so that waits for a GPU run.)
           const int i = row[r];
           const int j = kb + n * 8 + 2 * t + (e & 1);
           bool vis = i < qlen && j < kvlen;
