@@ -587,13 +587,8 @@ def run_crossover(dims=(128,)):
             grid += [(B, Lk, 1, D) for B in (1, 8, 32) for Lk in (2048, 8192)]
             grid += [(8, 4096, Lq, D) for Lq in (2, 4, 8)]  # R = 8 / 16 / 32
     for (B, Lk, Lq, D) in grid:
-        keep = ("ours", "jax.nn cudnn") if D == 128 else ("ours", "jax.nn cudnn", "jax.nn xla")
-        impls = {k_: v_ for k_, v_ in _impls("bf16", D).items() if k_ in keep}
-        if D != 128:
-            import jax_sdpa  # the installed package: our XLA path (out + lse), the dispatch's
-
-            impls["jax_sdpa xla"] = (lambda q, k, v: jax_sdpa.dot_product_attention(
-                q, k, v, implementation="xla"), True)
+        keep = ("ours", "jax.nn cudnn") + (() if D == 128 else ("jax.nn xla", "jax_sdpa xla"))
+        impls = {k_: v_ for k_, v_ in _impls("bf16", D, with_api=D != 128).items() if k_ in keep}
         nbytes, K, res = bench_one("bf16", B, 32, 8, Lk, D, Lq=Lq, impls=impls, target_s=15e-3)
         o = res.get("ours", {}).get("us")
         c = res.get("jax.nn cudnn", {}).get("us")
