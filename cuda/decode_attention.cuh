@@ -340,15 +340,22 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
 // The block's key range [ks0, ks1) for this split: the union of its rows' ranges cut
 // into nsplit chunks of a multiple of GRAN keys (the kernel's key step).
 template <int GRAN = kTileKeys>
-__device__ __forceinline__ void split_range(const Args& a, int b, int kvh, int r0, int RB,
-                                            int split, int qlen, int kvlen, int* ks0,
-                                            int* ks1) {
+__device__ __forceinline__ void split_range(const Args& a, int r0, int RB, int split, int qlen,
+                                            int kvlen, int* ks0, int* ks1) {
+  // A row's keys depend only on its query i = r % Lq, and the block's rows r0 .. r1 - 1
+  // are consecutive: their i run through min(r1 - r0, Lq) distinct values from r0 % Lq.
+  // So visit each once (one, not RB, for plain decode), with one division: this runs
+  // before the producer's first copy.
   int kb0 = INT_MAX, kb1 = 0;
-  for (int rr = 0; rr < RB; ++rr) {
-    RowInfo ri = row_info(a, b, kvh, r0 + rr, qlen, kvlen);
-    if (ri.last > ri.first) {
-      kb0 = min(kb0, ri.first);
-      kb1 = max(kb1, ri.last);
+  const int n = min(min(r0 + RB, a.R) - r0, a.Lq);
+  const int64_t off = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  int i = r0 % a.Lq;
+  for (int k = 0; k < n; ++k, i = (i + 1 == a.Lq ? 0 : i + 1)) {
+    if (i >= qlen) continue;
+    const KeyRange kr = band_keys(i, off, a.wl, a.wr, kvlen);
+    if (kr.last > kr.first) {
+      kb0 = min(kb0, static_cast<int>(kr.first));
+      kb1 = max(kb1, static_cast<int>(kr.last));
     }
   }
   if (kb1 <= kb0) {
@@ -662,7 +669,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
   int ks0, ks1;
-  split_range(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
+  split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
   const int my_tiles = ntiles > w ? (ntiles - w + W - 1) / W : 0;
 
@@ -826,7 +833,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
   int ks0, ks1;
-  split_range(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
+  split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
   const int my_tiles = ntiles > w ? (ntiles - w + W - 1) / W : 0;
   const float* kbase = reinterpret_cast<const float*>(a.k) + b * a.ks[0] + kvh * a.ks[1];

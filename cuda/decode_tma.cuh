@@ -282,8 +282,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   constexpr int NKC = D / 32, NVC = DV / 64;
   constexpr int EPV = 16 / sizeof(T);
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  unsigned char* smem = cuda_common::align_shared_1024(smem_raw);
   unsigned char* ring = smem;
   T* Qs = reinterpret_cast<T*>(smem + Cfg::kQOff);  // [16][D], plain rows
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
@@ -296,7 +295,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
   int ks0, ks1;
-  split_range<TK>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
+  split_range<TK>(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
 
   // One 16-key tile of K and V of every consumer warp a stage: one copy each (chunked:

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
   int ks0, ks1;
-  split_range(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
+  split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
   const float* kbase = reinterpret_cast<const float*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
   const float* vbase = reinterpret_cast<const float*>(a.v) + b * a.vs[0] + kvh * a.vs[1];

@@ -72,8 +72,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   constexpr int NVC = Cfg::DVW / 64;  // this warp's 64-wide dv chunk tiles (PV)
   constexpr int EPV = 16 / sizeof(T);
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  unsigned char* smem = cuda_common::align_shared_1024(smem_raw);
   unsigned char* ring = smem;
   float4* Sx = reinterpret_cast<float4*>(smem + Cfg::kScoreOff);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff);
@@ -86,7 +85,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
   int ks0, ks1;
-  split_range<kTileKeys>(a, b, kvh, r0, RB, split, qlen, kvlen, &ks0, &ks1);
+  split_range<kTileKeys>(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
 
   // One copy per 64-wide chunk tile of a stage's K and V.

@@ -30,6 +30,7 @@ namespace cuda_flash {
 namespace wgmma {
 
 using cuda_common::fence_proxy_async_smem;
+using cuda_common::align_shared_1024;
 using cuda_common::smem_addr;
 using cuda_common::wgmma_commit;
 using cuda_common::wgmma_desc;
@@ -74,12 +75,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // Aligned by an offset from the shared pointer (not a uintptr_t cast), so the accesses
-  // stay ld/st.shared.
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-  unsigned char* smem = smem_raw + pad;
-  const uint32_t base = raw + pad;
+  unsigned char* smem = align_shared_1024(smem_raw);
+  const uint32_t base = smem_addr(smem);
   unsigned char* sQ = smem + kQOff;
   unsigned char* sK = smem + kKOff;
   unsigned char* sV = smem + kVOff;

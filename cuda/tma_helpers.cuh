@@ -14,6 +14,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte aligned byte of dynamic shared memory (128-byte swizzled tiles need
+// it). Offset from the shared pointer itself: a uintptr_t round trip would lose the address
+// space and turn every access through the result into a generic ld / st.
+__device__ __forceinline__ unsigned char* align_shared_1024(unsigned char* raw) {
+  return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
+}
+
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
                : "memory");
