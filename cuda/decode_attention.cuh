@@ -101,6 +101,16 @@ __device__ __forceinline__ uint32_t u4get(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
+// Query head h and query index i of row r of kv head kvh's rows (r = (h - kvh G) Lq + i).
+// Plain decode (Lq = 1) skips the division: these run in every block's prologue.
+struct HeadQuery {
+  int h, i;
+};
+__device__ __forceinline__ HeadQuery head_query(const Args& a, int kvh, int r) {
+  if (a.Lq == 1) return {kvh * a.G + r, 0};
+  return {kvh * a.G + r / a.Lq, r % a.Lq};
+}
+
 // One query row of a block: which head / query it is and its visible key band.
 struct RowInfo {
   int h, i;
@@ -117,8 +127,9 @@ __device__ __forceinline__ RowInfo row_info(const Args& a, int b, int kvh, int r
   ri.i = 0;
   ri.mrow = 0;
   if (r >= a.R) return ri;
-  ri.h = kvh * a.G + r / a.Lq;
-  ri.i = r % a.Lq;
+  const HeadQuery hq = head_query(a, kvh, r);
+  ri.h = hq.h;
+  ri.i = hq.i;
   ri.mrow = b * a.ms[0] + ri.h * a.ms[1] + ri.i * a.ms[2];
   if (ri.i >= qlen) return ri;
   const int64_t off = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
@@ -204,7 +215,8 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
 #pragma unroll
     for (int w = 0; w < W; ++w) f[w] = 0.f;
     if (r < a.R) {
-      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
       const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
       float M = -INFINITY;
 #pragma unroll
@@ -286,7 +298,8 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
     for (int rr = idle ? RB : warp; rr < RB; rr += W) {  // warp-uniform loop
       const int r = r0 + rr;
       if (r >= a.R) continue;
-      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
       const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
       float M = -INFINITY;
       for (int sp = lane; sp < a.nsplit; sp += 32)
@@ -313,7 +326,8 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
     const int rr = idx / DV4, c = idx - rr * DV4;
     const int r = r0 + rr;
     if (r >= a.R) continue;
-    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+    const HeadQuery hq = head_query(a, kvh, r);
+    const int h = hq.h, i = hq.i;
     const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
     const float* src = a.part_o + grow * DV + 4 * c;
     const int64_t sstride = a.rows * DV;
@@ -378,8 +392,9 @@ struct BlockWork {
 };
 __device__ __forceinline__ BlockWork block_work(const Args& a, int RB) {
   BlockWork wk;
-  const int rc = blockIdx.x % a.row_chunks;
-  const int bk = blockIdx.x / a.row_chunks;
+  // (One row chunk, the usual case, skips a division.)
+  const int rc = a.row_chunks == 1 ? 0 : blockIdx.x % a.row_chunks;
+  const int bk = a.row_chunks == 1 ? blockIdx.x : blockIdx.x / a.row_chunks;
   wk.kvh = bk % a.Hk;
   wk.b = bk / a.Hk;
   wk.split = blockIdx.y;
@@ -401,7 +416,8 @@ __device__ __forceinline__ void load_q_rows(T* Qs, const Args& a, int b, int kvh
     const int r = r0 + rr;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (rr < RB && r < a.R) {
-      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
       const T* src =
           reinterpret_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + c * EPV;
       val = *reinterpret_cast<const uint4*>(src);
@@ -854,7 +870,8 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
     const int r = r0 + rr;
     float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
     if (r < a.R) {
-      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
       val = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(a.q) + b * a.qs[0] +
                                              h * a.qs[1] + i * a.qs[2] + 4 * c);
     }

@@ -262,7 +262,8 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
         o.w = fmaf(wk, x.w, o.w);
       }
     }
-    const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+    const HeadQuery hq = head_query(a, kvh, r);
+    const int h = hq.h, i = hq.i;
     const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
     float scale, lse;
     row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);

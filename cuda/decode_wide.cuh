@@ -100,7 +100,8 @@ __device__ __forceinline__ void wide_finish_row(const Args& a, int b, int kvh, i
                                                 bool stats_writer, Put put) {
   const int r = r0 + rr;
   if (r >= a.R) return;
-  const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+  const HeadQuery hq = head_query(a, kvh, r);
+  const int h = hq.h, i = hq.i;
   const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
   if (a.nsplit == 1) {
     float scale, lse;

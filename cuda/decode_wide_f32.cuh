@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
     const int r = r0 + g;
     const float* qrow = nullptr;
     if (r < a.R) {
-      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
       qrow = reinterpret_cast<const float*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] +
              w * Cfg::DQ;
     }

@@ -116,7 +116,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const int r = r0 + g;
     const T* qrow = nullptr;
     if (r < a.R) {
-      const int h = kvh * a.G + r / a.Lq, i = r % a.Lq;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
       qrow = reinterpret_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
     }
 #pragma unroll
