@@ -308,7 +308,40 @@ BENCH_ROWS = [  # (name, dtype, B, H, L, D, causal)
 ]
 
 
-def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None):
+API_IMPLS = (None, "cuda", "xla", "xla_chunked")
+
+
+def api_times(row, qt, kt, vt, causal, flops):
+    """What a user gets: jax_sdpa.dot_product_attention forward and forward+backward (grad)
+    with implementation=None ("auto": the dispatch's choice, per direction) and each named
+    implementation that serves. The backward of "xla" / "xla_chunked" is our XLA backward
+    from lse, the one the dispatch may pair with our CUDA forward."""
+    import jax_sdpa  # the installed package
+
+    for impl in API_IMPLS:
+        tag = f"api_{impl or 'auto'}"
+        f = jax.jit(lambda q, k, v, impl=impl: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=impl))
+        g = jax.jit(jax.grad(lambda q, k, v, impl=impl: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=impl).astype(jnp.float32).sum(),
+            argnums=(0, 1, 2)))
+        try:
+            t = median_time(f, (qt, kt, vt))
+            row[f"{tag}_fwd_tflops"] = flops / t / 1e12
+            t = median_time(g, (qt, kt, vt))
+            row[f"{tag}_fwdbwd_tflops"] = 3.5 * flops / t / 1e12
+            row[f"{tag}_fwdbwd_temp_gib"] = temp_bytes(g, (qt, kt, vt)) / 2**30
+        except Exception as e:  # noqa: BLE001
+            row[f"{tag}_error"] = str(e).splitlines()[0][:200]
+    # explain takes the [B, H, L, D] layout; the rows are square, so "causal" (bottom-right)
+    # is jax.nn's top-left one.
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (qt, kt, vt))
+    mask = "causal" if causal else None
+    row["api_auto_choice"] = ", ".join(
+        f"{d} {jax_sdpa.explain(q, k, v, mask=mask, direction=d).chosen}" for d in ("fwd", "bwd"))
+
+
+def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None, api=False):
     out = []
     for name, dts, B, H, L, D, causal in rows:
         if only and not any(o in name for o in only):
@@ -356,6 +389,8 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None):
                 row[f"{impl}_fwdbwd_temp_gib"] = temp_bytes(g, (qt, kt, vt)) / 2**30
             except Exception as e:  # noqa: BLE001
                 row[f"{impl}_error"] = str(e).splitlines()[0][:200]
+        if api:
+            api_times(row, qt, kt, vt, causal, flops)
         if not have_bwd:
             row["ours_fwdbwd"] = "no flash backward yet"
         print(json.dumps(row), flush=True)
@@ -455,6 +490,8 @@ def main():
     ap.add_argument("--no-peers", action="store_true", help="time only our kernels")
     ap.add_argument("--rows", default="", help="comma-separated substrings of bench row names")
     ap.add_argument("--cases", default="", help="comma-separated substrings of check case names")
+    ap.add_argument("--api", action="store_true",
+                    help="bench: also time jax_sdpa.dot_product_attention per implementation")
     a = ap.parse_args()
     found = register()
     res = dict(device=str(jax.devices()[0]), jax=jax.__version__, targets=found,
@@ -473,7 +510,7 @@ def main():
         res["bwd_sweep"] = run_bwd_sweep()
     if a.only in (None, "bench"):
         res["bench"] = run_bench(have_bwd=BWD in found, peers=not a.no_peers,
-                                 only=[r for r in a.rows.split(",") if r])
+                                 only=[r for r in a.rows.split(",") if r], api=a.api)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         name = "flash_check_highest.json" if HIGHEST else "flash_check.json"

@@ -10,8 +10,8 @@ namespace cuda_flash {
 
 cudaError_t launch_forward_bf16(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                cudaStream_t stream) {
-  // Head dims in (256, 512]: the wide-head kernel (flash_fwd_wide.cuh); with
-  // JAX_SDPA_FLASH_WGMMA=1 on sm_90a the wgmma draft first (flash_fwd_wgmma.cu).
+  // Head dims in (256, 512]: on sm_90a the wgmma kernel (flash_fwd_wgmma.cu), elsewhere
+  // (or with JAX_SDPA_FLASH_WGMMA=0) the wide-head kernel (flash_fwd_wide.cuh).
   if (fast_kernels_enabled()) {
     cudaError_t e = launch_forward_wgmma(p, buf, stream);
     if (e != cudaErrorNotSupported) return e;

@@ -1,9 +1,9 @@
-// DRAFT, not yet run on a GPU: a flash-attention forward on Hopper's warpgroup MMA (wgmma)
-// for fp16/bf16 head dims in (256, 512] (zero-padded to 512), the design in
-// docs/cuda_flash.md ("A forward that fits Hopper's limits"). Reached only with
-// JAX_SDPA_FLASH_WGMMA=1 (launch_forward_wgmma returns cudaErrorNotSupported otherwise,
-// and the callers run flash_fwd_wide_kernel). This translation unit is compiled for
-// sm_90a alone (cuda/CMakeLists.txt): wgmma is an arch-specific feature.
+// The flash-attention forward on Hopper's warpgroup MMA (wgmma) for fp16/bf16 head dims in
+// (256, 512] (zero-padded to 512), the design in docs/cuda_flash.md ("The wgmma forward").
+// The callers try it first on every GPU (launch_forward_wgmma returns cudaErrorNotSupported
+// where there is no sm_90a image, i.e. not an H100 / H200, or with JAX_SDPA_FLASH_WGMMA=0,
+// and they run flash_fwd_wide_kernel). This translation unit is compiled for sm_90a alone
+// (cuda/CMakeLists.txt): wgmma is an arch-specific feature.
 //
 // A block: 64 query rows of one head, two consumer warpgroups, 256 threads.
 // - Q (64 x 512), one K and one V tile (64 keys x 512) live in shared memory as eight
@@ -290,17 +290,17 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
 
 }  // namespace wgmma
 
-bool wgmma_forward_requested() {
+bool wgmma_forward_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("JAX_SDPA_FLASH_WGMMA");
-    return v != nullptr && v[0] == '1';
+    return v == nullptr || v[0] != '0';
   }();
   return on;
 }
 
 cudaError_t launch_forward_wgmma(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                  cudaStream_t stream) {
-  if (!wgmma_forward_requested()) return cudaErrorNotSupported;
+  if (!wgmma_forward_enabled()) return cudaErrorNotSupported;
   switch (p.dtype) {
     case DType::kF16: return wgmma::launch<__half>(p, buf, stream);
     case DType::kBF16: return wgmma::launch<__nv_bfloat16>(p, buf, stream);

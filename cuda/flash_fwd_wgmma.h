@@ -1,5 +1,5 @@
-// DRAFT (not yet run on a GPU): the wgmma flash forward for fp16/bf16 head dims in
-// (256, 512] (cuda/flash_fwd_wgmma.cu, sm_90a code only).
+// The wgmma flash forward for fp16/bf16 head dims in (256, 512] (cuda/flash_fwd_wgmma.cu,
+// sm_90a code only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,10 +9,10 @@
 namespace jax_sdpa {
 namespace cuda_flash {
 
-// Whether JAX_SDPA_FLASH_WGMMA=1 asks for it (read once per process).
-bool wgmma_forward_requested();
+// False when JAX_SDPA_FLASH_WGMMA=0 turns it off (read once per process).
+bool wgmma_forward_enabled();
 
-// Runs it when asked for, the dtype is 16-bit and 256 < D, Dv <= 512 on a GPU with sm_90a
+// Runs it when enabled, the dtype is 16-bit and 256 < D, Dv <= 512 on a GPU with sm_90a
 // code (H100 / H200); cudaErrorNotSupported otherwise (the caller's kernels serve).
 cudaError_t launch_forward_wgmma(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                  cudaStream_t stream);
