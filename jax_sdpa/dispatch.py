@@ -9,6 +9,7 @@ fails for want of a kernel; a named implementation that can't serve raises
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -385,25 +386,39 @@ def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
     return "cuda" if big else None
 
 
-def _cuda_flash_preferred(cfg: Config) -> bool:
-    """Whether `implementation=None` should run our CUDA flash kernels on a call that
-    cuDNN cannot serve (asked only then), rather than xla / xla_chunked.
+def _wgmma_forward_runs() -> bool:
+    """Whether our wgmma flash forward (cuda/flash_fwd_wgmma.cu, 16-bit head dims in
+    (256, 512]) runs here: it exists as sm_90a code only (compute capability 9.0: H100 /
+    H200), and JAX_SDPA_FLASH_WGMMA=0 turns it off (the wide-head kernel runs then)."""
+    return _cudnn_facts()[1] == (9, 0) and os.environ.get("JAX_SDPA_FLASH_WGMMA", "1") != "0"
+
+
+def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
+    """Whether `implementation=None` should run our CUDA flash kernels in this direction on
+    a call that cuDNN cannot serve (asked only then), rather than xla / xla_chunked. The
+    forward and the backward are separate primitives, each lowered with its own choice: the
+    backward takes out and lse, whichever implementation made them.
 
     Measured on the H200 (2026-11-30, benchmarks/results/flash_tc_*): fp32 SD3 B2 H38
     L4250 D64 ours 93 / 86 TFLOP/s fwd / fwd+bwd vs xla 41 / 51, 1.2 MiB / 78 MiB vs
     10.2 / 15.3 GiB of temporaries; fp32 B1 H16 L8192 D128 ours 117 / 101 vs xla 107 / 127
     (xla's backward is faster there, with 12 GiB of scores: we keep O(L) memory). 16-bit at
-    head dims > 256 (the wide-head kernels): D512 bf16 causal L4096 ours 119 / 94 vs xla
-    132 / 173, so only where xla would materialize more scores than
-    XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
-    `_decode_pick`, own those).
+    head dims > 256: the wgmma forward (H100 / H200) 188 TFLOP/s vs xla 121-130 at D512
+    bf16 causal L4096 (flash_bench_wgmma_on_h200_2026-11-30T2316.json), so ours there;
+    the wide-head kernels (other GPUs, and every backward) 114-119 / 94 vs xla 130 / 173,
+    so only where xla would materialize more scores than XLA_CHUNKED_SCORE_BYTES. Never
+    for decode shapes (the decode kernel and its crossover, `_decode_pick`, own those).
     """
     if cfg.is_decode:
         return False
     dmax = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.dtype == np.dtype(np.float32):
         return dmax <= 128
-    return dmax > 256 and cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
+    if dmax <= 256:
+        return False
+    if direction == "fwd" and min(cfg.head_dim, cfg.head_dim_v) > 256 and _wgmma_forward_runs():
+        return True
+    return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
 
 
 def _preference(cfg: Config, platform: str, direction: str):
@@ -415,7 +430,8 @@ def _preference(cfg: Config, platform: str, direction: str):
                 return ["cuda", "cudnn"]
             if pick == "xla":
                 return []  # our XLA path (_xla_choice)
-        if not supports_cudnn(cfg, direction, platform)[0] and _cuda_flash_preferred(cfg):
+        if (not supports_cudnn(cfg, direction, platform)[0]
+                and _cuda_flash_preferred(cfg, direction)):
             return ["cuda"]
         return ["cudnn"]
     if platform == "cpu":
