@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
-#                                           decode_crossover flash_check flash_highest flash_wgmma api
+#                                           decode_crossover flash_check flash_highest flash_wgmma
+#                                           flash_wgmma_bwd api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -183,6 +184,21 @@ if has flash_wgmma; then
        $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 --out "$OUT/wgmma_bench_$w" \
        2>&1 | tail -4) || rc=1
   done
+fi
+
+if has flash_wgmma_bwd; then
+  # The wgmma backward draft (JAX_SDPA_FLASH_WGMMA_BWD=1, cuda/flash_bwd_wgmma.cu: the main
+  # kernel of the wide backward): the check's 16-bit cases with head dims in (256, 512]
+  # (forward and backward), then the D512 bench row with it, beside what
+  # jax_sdpa.dot_product_attention runs per implementation (--api).
+  say "wgmma flash backward (draft): correctness on the wide-head cases, then D512 timing"
+  (cd /tmp && JAX_SDPA_FLASH_WGMMA_BWD=1 timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
+     $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" \
+     --out "$OUT/wgmma_bwd" 2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" \
+     | tail -30) || rc=1
+  (cd /tmp && JAX_SDPA_FLASH_WGMMA_BWD=1 JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P \
+     $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 --api --out "$OUT/wgmma_bwd_bench" \
+     2>&1 | tail -4) || rc=1
 fi
 
 if has flash_highest; then

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cuda/flash_bwd_wgmma.h"
 #include "cuda/flash_bwd_wide.cuh"
 #include "cuda/flash_launch_checks.h"
 
@@ -52,8 +53,13 @@ cudaError_t launch_t(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delt
   if (p.len_kv > 0 && p.heads_kv > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_kv + kBc - 1) / kBc),
                     static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
-    e = cudaGetLastError();
+    // The wgmma draft (JAX_SDPA_FLASH_WGMMA_BWD=1, sm_90a) when asked for and available;
+    // it enqueues nothing when it answers cudaErrorNotSupported.
+    e = launch_backward_wgmma_main(a, p, stream);
+    if (e == cudaErrorNotSupported) {
+      kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+      e = cudaGetLastError();
+    }
     if (e != cudaSuccess) return e;
   }
   if (rows > 0) {
