@@ -284,7 +284,8 @@ def run_check(seed=0, fp32_tol=None, with_bwd=False, only=(), fp32_grad_tol=None
 # timing: median device time of a jitted call, beside jax.nn (xla / cudnn)
 # ---------------------------------------------------------------------------
 def median_time(fn, args, reps=10):
-    jax.block_until_ready(fn(*args))
+    for _ in range(3):  # compile, then let the clocks settle
+        jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
-#                                           flash_wgmma_bwd api
+#                                           api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -173,32 +173,23 @@ if has flash_check; then
 fi
 
 if has flash_wgmma; then
-  # The wgmma forward draft (JAX_SDPA_FLASH_WGMMA=1, cuda/flash_fwd_wgmma.cu): the check's
-  # 16-bit cases with head dims in (256, 512], then the D512 bench row with it and without.
-  say "wgmma flash forward (draft): correctness on the wide-head cases, then D512 timing"
-  (cd /tmp && JAX_SDPA_FLASH_WGMMA=1 timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
-     $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" --out "$OUT/wgmma" \
-     2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" | tail -30) || rc=1
-  for w in 1 0; do
-    (cd /tmp && JAX_SDPA_FLASH_WGMMA=$w JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P \
-       $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 --out "$OUT/wgmma_bench_$w" \
-       2>&1 | tail -4) || rc=1
+  # The wgmma kernels (16-bit head dims in (256, 512], sm_90a: cuda/flash_fwd_wgmma.cu,
+  # cuda/flash_bwd_wgmma.cu; the defaults on this GPU): the check's wide-head cases with
+  # them and with the wide kernels (JAX_SDPA_FLASH_WGMMA=0 / _BWD=0), then the D512 bench
+  # row both ways, the first beside what jax_sdpa.dot_product_attention runs (--api).
+  say "wgmma flash kernels: correctness on the wide-head cases, then D512 timing"
+  for off in 0 1; do
+    env=""; [ $off = 1 ] && env="JAX_SDPA_FLASH_WGMMA=0 JAX_SDPA_FLASH_WGMMA_BWD=0"
+    (cd /tmp && env $env timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
+       $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" \
+       --out "$OUT/wgmma_off$off" 2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" \
+       | tail -30) || rc=1
   done
-fi
-
-if has flash_wgmma_bwd; then
-  # The wgmma backward draft (JAX_SDPA_FLASH_WGMMA_BWD=1, cuda/flash_bwd_wgmma.cu: the main
-  # kernel of the wide backward): the check's 16-bit cases with head dims in (256, 512]
-  # (forward and backward), then the D512 bench row with it, beside what
-  # jax_sdpa.dot_product_attention runs per implementation (--api).
-  say "wgmma flash backward (draft): correctness on the wide-head cases, then D512 timing"
-  (cd /tmp && JAX_SDPA_FLASH_WGMMA_BWD=1 timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
-     $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" \
-     --out "$OUT/wgmma_bwd" 2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" \
-     | tail -30) || rc=1
-  (cd /tmp && JAX_SDPA_FLASH_WGMMA_BWD=1 JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P \
-     $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 --api --out "$OUT/wgmma_bwd_bench" \
-     2>&1 | tail -4) || rc=1
+  (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P $repo/benchmarks/gpu_flash_check.py \
+     --only bench --rows D512 --api --out "$OUT/wgmma_bench" 2>&1 | tail -2) || rc=1
+  (cd /tmp && JAX_SDPA_FLASH_WGMMA=0 JAX_SDPA_FLASH_WGMMA_BWD=0 JAX_SDPA_POISON_OUTPUTS=0 \
+     timeout 200 python3 -P $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 \
+     --no-peers --out "$OUT/wide_bench" 2>&1 | tail -2) || rc=1
 fi
 
 if has flash_highest; then

@@ -1,11 +1,12 @@
-// DRAFT, not yet run on a GPU: the main kernel of the wide-head fp16/bf16 flash backward
+// The main kernel of the wide-head fp16/bf16 flash backward
 // (head dims D, Dv in (256, 512], zero-padded to 512) on Hopper's warpgroup MMA (wgmma),
 // a drop-in for flash_bwd_wide_kernel (cuda/flash_bwd_wide.cuh: same bwd_wide::Args, same
 // semantics of P, dS, delta, masks, lengths, band, GQA and tile rotation; dq added UNSCALED
-// into the fp32 dq_accum, dK scaled by f.scale at the end, dV unscaled). Reached only with
-// JAX_SDPA_FLASH_WGMMA_BWD=1 (launch_backward_wgmma_main returns cudaErrorNotSupported
-// otherwise and launch_backward_wide runs flash_bwd_wide_kernel). sm_90a code only
-// (cuda/CMakeLists.txt); the descriptor conventions are those of cuda/flash_fwd_wgmma.cu.
+// into the fp32 dq_accum, dK scaled by f.scale at the end, dV unscaled). launch_backward_wide
+// tries it first; it answers cudaErrorNotSupported (and flash_bwd_wide_kernel runs) where
+// there is no sm_90a image (not an H100 / H200) or with JAX_SDPA_FLASH_WGMMA_BWD=0. sm_90a
+// code only (cuda/CMakeLists.txt); the descriptor conventions are those of
+// cuda/flash_fwd_wgmma.cu.
 //
 // Grid (ceil(Lk / 32), Hk, B); a block = 32 keys of kv head hk, two consumer warpgroups
 // (256 threads, 1 block an SM). Shared memory, every tile 1024-aligned, 128-byte swizzled
@@ -25,7 +26,7 @@
 //      m64n32k16, A MN-major (trans-a) from the dO / Q chunk tile m, B = Pt / dSt K-major):
 //      8 x 16 fp32 accumulators a thread for the whole block.
 //   4. dQ = dS K: warpgroup w, columns 256 w .. 256 w + 255 as 4 x (m64n64k16 x 2, A = dS
-//      K-major, B = K MN-major (trans-b)), then float2 atomics into dq_accum.
+//      K-major, B = K MN-major (trans-b)), then float4 atomics into dq_accum.
 //   5. The next tile's Q / dO / lse / delta cp.async loads are issued once step 3 is done
 //      in both warpgroups, so they overlap step 4.
 // Epilogue: dV^T and scale * dK^T staged (16-bit, [key][column]) in the free Q / dO tiles,
@@ -324,18 +325,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
                                     ks);
         wgmma_commit();
         wgmma_wait<0>();
+        // One float4 atomic a thread and n8 block instead of two float2 (half the atomic
+        // operations, the kernel's largest traffic): lanes t and t ^ 1 swap a pair, so an
+        // even t holds columns 2t .. 2t + 3 of row rl0, an odd t columns 2t - 2 .. 2t + 1
+        // of row rl0 + 8 (16-byte aligned: D is a multiple of 8).
+        const bool odd = t & 1;
+        const int row = rl0 + (odd ? 8 : 0);
+        const int col = c * 64 + 2 * (t & ~1);
+        const bool row_ok = qb + row < qlen;
+        float* dst = dq_tile + static_cast<int64_t>(row) * f.D + col;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = rl0 + 8 * r;
-          if (qb + row < qlen) {
-            float* dst = dq_tile + static_cast<int64_t>(row) * f.D + c * 64 + 2 * t;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              if (c * 64 + 8 * i + 2 * t < f.D)
-                atomicAdd(reinterpret_cast<float2*>(dst + 8 * i),
-                          make_float2(d[4 * i + 2 * r], d[4 * i + 2 * r + 1]));
-            }
-          }
+        for (int i = 0; i < 8; ++i) {
+          const float x0 = __shfl_xor_sync(0xffffffffu, odd ? d[4 * i] : d[4 * i + 2], 1);
+          const float x1 = __shfl_xor_sync(0xffffffffu, odd ? d[4 * i + 1] : d[4 * i + 3], 1);
+          const float4 v = odd ? make_float4(x0, x1, d[4 * i + 2], d[4 * i + 3])
+                               : make_float4(d[4 * i], d[4 * i + 1], x0, x1);
+          if (row_ok && col + 8 * i < f.D) atomicAdd(reinterpret_cast<float4*>(dst + 8 * i), v);
         }
       }
     }
@@ -397,17 +402,17 @@ cudaError_t launch(const bwd_wide::Args& a, const SdpaParams& p, cudaStream_t st
 
 }  // namespace bwd_wgmma
 
-bool wgmma_backward_requested() {
+bool wgmma_backward_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("JAX_SDPA_FLASH_WGMMA_BWD");
-    return v != nullptr && v[0] == '1';
+    return v == nullptr || v[0] != '0';
   }();
   return on;
 }
 
 cudaError_t launch_backward_wgmma_main(const bwd_wide::Args& a, const SdpaParams& p,
                                        cudaStream_t stream) {
-  if (!wgmma_backward_requested()) return cudaErrorNotSupported;
+  if (!wgmma_backward_enabled()) return cudaErrorNotSupported;
   if (p.head_dim <= 256 || p.head_dim_v <= 256 || p.head_dim > bwd_wgmma::kD ||
       p.head_dim_v > bwd_wgmma::kD)
     return cudaErrorNotSupported;

@@ -53,8 +53,8 @@ cudaError_t launch_t(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delt
   if (p.len_kv > 0 && p.heads_kv > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_kv + kBc - 1) / kBc),
                     static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
-    // The wgmma draft (JAX_SDPA_FLASH_WGMMA_BWD=1, sm_90a) when asked for and available;
-    // it enqueues nothing when it answers cudaErrorNotSupported.
+    // On H100 / H200 the wgmma kernel (flash_bwd_wgmma.cu; JAX_SDPA_FLASH_WGMMA_BWD=0 turns
+    // it off); it enqueues nothing when it answers cudaErrorNotSupported.
     e = launch_backward_wgmma_main(a, p, stream);
     if (e == cudaErrorNotSupported) {
       kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
