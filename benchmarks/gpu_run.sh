@@ -4,7 +4,7 @@
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
-#                                           api
+#                                           flash_ncu api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -164,6 +164,27 @@ if has decode_ncu_source; then
   python3 benchmarks/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} $lines \
      > "$OUT/decode_ncu_source_top.txt" 2>&1 || rc=1
   head -c 12000 "$OUT/decode_ncu_source_top.txt"
+fi
+
+if has flash_ncu; then
+  # Nsight Compute on one launch of the kernels matching NCU_KERNEL (default the wgmma
+  # backward) in a fwd + bwd call of the flash bench row NCU_FLASH_ROW (default D512):
+  # throughput, memory, stall reasons, then the stall sampling per SASS instruction.
+  say "Nsight Compute: ${NCU_KERNEL:-flash_bwd_wgmma} on flash row ${NCU_FLASH_ROW:-D512}"
+  (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
+     -k regex:"${NCU_KERNEL:-flash_bwd_wgmma}" -c 1 --section SpeedOfLight --section LaunchStats \
+     --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
+     --section SchedulerStats python3 -P $repo/benchmarks/flash_ncu.py --row "${NCU_FLASH_ROW:-D512}" \
+     > "$OUT/flash_ncu.txt" 2>&1) || rc=1
+  grep -v "^==PROF==" "$OUT/flash_ncu.txt" | grep -E "Duration|Through|Hit|Cycles|Stall|Warp Cycles|Issued|Eligible|Registers|Pipe|Bandwidth|Busy" | head -60
+  (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
+     -k regex:"${NCU_KERNEL:-flash_bwd_wgmma}" -c 1 --section SourceCounters --section WarpStateStats \
+     --warp-sampling-interval 0 --page source --csv --print-source sass \
+     python3 -P $repo/benchmarks/flash_ncu.py --row "${NCU_FLASH_ROW:-D512}" \
+     > "$OUT/flash_ncu_source.csv" 2>&1) || rc=1
+  python3 benchmarks/ncu_source_top.py "$OUT/flash_ncu_source.csv" --top ${NCU_TOP:-30} \
+     > "$OUT/flash_ncu_source_top.txt" 2>&1 || rc=1
+  head -c 8000 "$OUT/flash_ncu_source_top.txt"
 fi
 
 if has flash_check; then
