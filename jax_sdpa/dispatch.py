@@ -386,11 +386,16 @@ def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
     return "cuda" if big else None
 
 
-def _wgmma_forward_runs() -> bool:
-    """Whether our wgmma flash forward (cuda/flash_fwd_wgmma.cu, 16-bit head dims in
-    (256, 512]) runs here: it exists as sm_90a code only (compute capability 9.0: H100 /
-    H200), and JAX_SDPA_FLASH_WGMMA=0 turns it off (the wide-head kernel runs then)."""
-    return _cudnn_facts()[1] == (9, 0) and os.environ.get("JAX_SDPA_FLASH_WGMMA", "1") != "0"
+_WGMMA_KNOBS = {"fwd": "JAX_SDPA_FLASH_WGMMA", "bwd": "JAX_SDPA_FLASH_WGMMA_BWD"}
+
+
+def _wgmma_flash_runs(direction: str) -> bool:
+    """Whether our wgmma flash kernel of this direction (cuda/flash_fwd_wgmma.cu,
+    cuda/flash_bwd_wgmma.cu: 16-bit D, Dv in (256, 512]) runs here: they exist as sm_90a code
+    only (compute capability 9.0: H100 / H200), and JAX_SDPA_FLASH_WGMMA=0 /
+    JAX_SDPA_FLASH_WGMMA_BWD=0 turn them off (the wide-head kernels run then)."""
+    return (_cudnn_facts()[1] == (9, 0)
+            and os.environ.get(_WGMMA_KNOBS[direction], "1") != "0")
 
 
 def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
@@ -399,15 +404,18 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
     forward and the backward are separate primitives, each lowered with its own choice: the
     backward takes out and lse, whichever implementation made them.
 
-    Measured on the H200 (2026-11-30, benchmarks/results/flash_tc_*): fp32 SD3 B2 H38
-    L4250 D64 ours 93 / 86 TFLOP/s fwd / fwd+bwd vs xla 41 / 51, 1.2 MiB / 78 MiB vs
-    10.2 / 15.3 GiB of temporaries; fp32 B1 H16 L8192 D128 ours 117 / 101 vs xla 107 / 127
-    (xla's backward is faster there, with 12 GiB of scores: we keep O(L) memory). 16-bit at
-    head dims > 256: the wgmma forward (H100 / H200) 188 TFLOP/s vs xla 121-130 at D512
-    bf16 causal L4096 (flash_bench_wgmma_on_h200_2026-11-30T2316.json), so ours there;
-    the wide-head kernels (other GPUs, and every backward) 114-119 / 94 vs xla 130 / 173,
-    so only where xla would materialize more scores than XLA_CHUNKED_SCORE_BYTES. Never
-    for decode shapes (the decode kernel and its crossover, `_decode_pick`, own those).
+    Measured on the H200 (2026-11-30, benchmarks/results/flash_tc_*, flash_bench_api_*):
+    fp32 SD3 B2 H38 L4250 D64 ours 92-96 / 85-88 TFLOP/s fwd / fwd+bwd vs xla 39-41 / 51-52,
+    1.2 MiB / 78 MiB vs 10.2 / 15.3 GiB of temporaries; fp32 B1 H16 L8192 D128 ours
+    113-117 / 100-101 vs xla 97-107 / 124-127 (xla's backward is faster there, with 12 GiB
+    of scores: we keep O(L) memory). 16-bit at head dims > 256, D512 bf16 causal, with the
+    wgmma kernels (H100 / H200; T2352): B1 H16 L4096 ours 166-198 / 138-143 vs our XLA path
+    84-93 / 114-121 (4 GiB) and xla_chunked 47 / 60; B4 H8 L1024 (128 MiB of scores) ours
+    90 / 92 (through the API) vs ours forward + our XLA backward 82 and our XLA path 77: ours
+    in both directions. Without them (other GPUs, or the knobs): the wide-head kernels,
+    114-119 / 94 vs xla 130 / 173, so only where xla would materialize more scores than
+    XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
+    `_decode_pick`, own those).
     """
     if cfg.is_decode:
         return False
@@ -416,7 +424,7 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
         return dmax <= 128
     if dmax <= 256:
         return False
-    if direction == "fwd" and min(cfg.head_dim, cfg.head_dim_v) > 256 and _wgmma_forward_runs():
+    if min(cfg.head_dim, cfg.head_dim_v) > 256 and _wgmma_flash_runs(direction):
         return True
     return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
 

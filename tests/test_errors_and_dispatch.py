@@ -313,14 +313,15 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(d=192, dv=128), "fwd", "xla"),
     (dict(d=256, lq=8192, lk=8192), "fwd", "xla_chunked"),
     (dict(d=256), "bwd", "xla"),
-    # 16-bit above cuDNN's 256: the wgmma forward on this cc 9.0 GPU; the backward ours
-    # only where xla would go chunked
+    # 16-bit above cuDNN's 256: the wgmma kernels on this cc 9.0 GPU; with Dv <= 256 (the
+    # wide / generic kernels) ours only where xla would go chunked
     (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512, window_right=0,
           bottom_right=True), "fwd", "cuda"),
     (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512), "bwd", "cuda"),
     (dict(dtype="bfloat16", d=512), "fwd", "cuda"),
-    (dict(dtype="bfloat16", d=512, dv=256), "fwd", "xla"),  # Dv <= 256: no wgmma forward
-    (dict(dtype="float16", d=320), "bwd", "xla"),
+    (dict(dtype="float16", d=320), "bwd", "cuda"),
+    (dict(dtype="bfloat16", d=512, dv=256), "fwd", "xla"),
+    (dict(dtype="bfloat16", d=512, dv=256, lq=8192, lk=8192), "bwd", "cuda"),
     # decode shapes: the decode kernel's crossover rule, never the flash kernels
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=64), "fwd", "xla"),  # fp32: xla was faster
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "xla"),
@@ -375,25 +376,26 @@ def test_cuda_flash_preferred_rule(fake_h200):
     big = dict(b=1, hq=16, hk=16, lq=4096, lk=4096)
     assert pref(_cfg(dtype="bfloat16", d=264, **big))
     assert not pref(_cfg(dtype="bfloat16", d=256, **big))
-    # 16-bit head dims > 256, small scores: the wgmma forward beats xla on the H200 (cc 9.0),
-    # the backward (wide kernel) does not; D or Dv <= 256 has no wgmma forward
+    # 16-bit head dims > 256, small scores: the wgmma kernels beat our XLA path on the H200
+    # (cc 9.0) in both directions; D or Dv <= 256 has no wgmma kernel
     small = _cfg(dtype="float16", d=512)
-    assert pref(small, "fwd") and not pref(small, "bwd")
+    assert pref(small, "fwd") and pref(small, "bwd")
     assert not pref(_cfg(dtype="float16", d=512, dv=128), "fwd")
 
 
-def test_wgmma_forward_needs_hopper_and_the_knob(fake_h200, monkeypatch):
+@pytest.mark.parametrize("direction, knob", [("fwd", "JAX_SDPA_FLASH_WGMMA"),
+                                             ("bwd", "JAX_SDPA_FLASH_WGMMA_BWD")])
+def test_wgmma_flash_needs_hopper_and_its_knob(fake_h200, monkeypatch, direction, knob):
     dispatch = fake_h200
     small = _cfg(dtype="bfloat16", d=512)
-    assert dispatch.choose(small, "cuda", "fwd") == "cuda"
-    assert dispatch.choose(small, "cuda", "bwd") == "xla"
-    monkeypatch.setenv("JAX_SDPA_FLASH_WGMMA", "0")
-    assert dispatch.choose(small, "cuda", "fwd") == "xla"
-    monkeypatch.delenv("JAX_SDPA_FLASH_WGMMA")
+    assert dispatch.choose(small, "cuda", direction) == "cuda"
+    monkeypatch.setenv(knob, "0")
+    assert dispatch.choose(small, "cuda", direction) == "xla"
+    monkeypatch.delenv(knob)
     monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (8, 0)))  # an A100: no sm_90a
-    assert dispatch.choose(small, "cuda", "fwd") == "xla"
+    assert dispatch.choose(small, "cuda", direction) == "xla"
     monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (10, 0)))  # Blackwell: no sm_90a
-    assert dispatch.choose(small, "cuda", "fwd") == "xla"
+    assert dispatch.choose(small, "cuda", direction) == "xla"
 
 
 def test_cuda_routing_in_the_lowering(fake_h200):
