@@ -51,10 +51,9 @@
 //      the Q / dO tiles are reused for staging; E2: staging written before it is read.
 #include "cuda/flash_bwd_wgmma.h"
 
-#include <cstdlib>
-
 #include "cuda/flash_attention.cuh"
 #include "cuda/flash_bwd_wide.cuh"
+#include "cuda/flash_launch_checks.h"
 #include "cuda/tma_helpers.cuh"
 #include "cuda/wgmma_helpers.cuh"
 
@@ -403,10 +402,7 @@ cudaError_t launch(const bwd_wide::Args& a, const SdpaParams& p, cudaStream_t st
 }  // namespace bwd_wgmma
 
 bool wgmma_backward_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_SDPA_FLASH_WGMMA_BWD");
-    return v == nullptr || v[0] != '0';
-  }();
+  static const bool on = knob_not_off("JAX_SDPA_FLASH_WGMMA_BWD");
   return on;
 }
 

@@ -1,5 +1,5 @@
 // The flash-attention forward on Hopper's warpgroup MMA (wgmma) for fp16/bf16 head dims in
-// (256, 512] (zero-padded to 512), the design in docs/cuda_flash.md ("The wgmma forward").
+// (256, 512] (zero-padded to 512), the design in docs/cuda_flash.md ("The wgmma kernels").
 // The callers try it first on every GPU (launch_forward_wgmma returns cudaErrorNotSupported
 // where there is no sm_90a image, i.e. not an H100 / H200, or with JAX_SDPA_FLASH_WGMMA=0,
 // and they run flash_fwd_wide_kernel). This translation unit is compiled for sm_90a alone
@@ -19,9 +19,8 @@
 // Visibility, masks, sinks, lengths and empty rows as flash_fwd_wide_kernel.
 #include "cuda/flash_fwd_wgmma.h"
 
-#include <cstdlib>
-
 #include "cuda/flash_attention.cuh"
+#include "cuda/flash_launch_checks.h"
 #include "cuda/tma_helpers.cuh"
 #include "cuda/wgmma_helpers.cuh"
 
@@ -29,14 +28,13 @@ namespace jax_sdpa {
 namespace cuda_flash {
 namespace wgmma {
 
-using cuda_common::fence_proxy_async_smem;
 using cuda_common::align_shared_1024;
+using cuda_common::fence_proxy_async_smem;
 using cuda_common::smem_addr;
 using cuda_common::wgmma_commit;
 using cuda_common::wgmma_desc;
 using cuda_common::wgmma_fence;
-using cuda_common::wgmma_m64n256k16_tb;
-using cuda_common::wgmma_m64n32k16_ss;
+using cuda_common::wgmma_m64k16;
 using cuda_common::wgmma_wait;
 
 constexpr int kThreads = 256;            // two warpgroups
@@ -147,9 +145,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
 #pragma unroll
     for (int k = 0; k < kD / 16; ++k) {
       const uint32_t in_tile = (k >> 2) * kTile + (k & 3) * 32;
-      wgmma_m64n32k16_ss<T>(s, wgmma_desc(base + kQOff + in_tile, 16, 1024),
-                            wgmma_desc(base + kKOff + in_tile + wg * 32 * 128, 16, 1024),
-                            k > 0);
+      // S (32 keys) += Q K^T: A and B K-major.
+      wgmma_m64k16<T, 32, 0, 0>(s, wgmma_desc(base + kQOff + in_tile, 16, 1024),
+                                wgmma_desc(base + kKOff + in_tile + wg * 32 * 128, 16, 1024),
+                                k > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -220,10 +219,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kBN / 16; ++k)
-      wgmma_m64n256k16_tb<T>(o, wgmma_desc(base + kPOff + k * 32, 16, 1024),
-                             wgmma_desc(base + kVOff + wg * 4 * kTile + k * 16 * 128, kTile,
-                                        1024),
-                             1);
+      // O (256 columns) += P V: A = P K-major, B = V MN-major (trans-b).
+      wgmma_m64k16<T, 256, 0, 1>(o, wgmma_desc(base + kPOff + k * 32, 16, 1024),
+                                 wgmma_desc(base + kVOff + wg * 4 * kTile + k * 16 * 128, kTile,
+                                            1024),
+                                 1);
     wgmma_commit();
     wgmma_wait<0>();
     __syncthreads();  // both warpgroups are done with V and P: load the next tile's V
@@ -291,10 +291,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
 }  // namespace wgmma
 
 bool wgmma_forward_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_SDPA_FLASH_WGMMA");
-    return v == nullptr || v[0] != '0';
-  }();
+  static const bool on = knob_not_off("JAX_SDPA_FLASH_WGMMA");
   return on;
 }
 

@@ -1,4 +1,4 @@
-// Host-side checks shared by the fast flash backwards' launchers: each refuses
+// Host-side checks (and the on / off knob) shared by the fast flash launchers: each refuses
 // (cudaErrorNotSupported, nothing enqueued) and the generic kernels run unless the call's
 // grid, strides, buffers and the device's shared memory suit it.
 #pragma once
@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 
 #include "ffi/sdpa_params.h"
@@ -34,6 +35,13 @@ inline bool all_aligned16(std::initializer_list<const void*> buffers) {
   for (const void* b : buffers)
     if (reinterpret_cast<uintptr_t>(b) & 15u) return false;
   return true;
+}
+
+// Whether the kernel behind environment variable `knob` runs: on unless knob = "0" (the
+// callers read it once per process).
+inline bool knob_not_off(const char* knob) {
+  const char* v = std::getenv(knob);
+  return v == nullptr || v[0] != '0';
 }
 
 // The current device's opt-in shared memory per block; 0 when it can't be read (the error

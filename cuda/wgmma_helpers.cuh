@@ -52,19 +52,6 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t a, uint
   WgmmaM64K16<T, N>::template run<kTransA, kTransB>(d, a, b, scale_d);
 }
 
-// The forward's two shapes: m64n32k16, A and B K-major ("ss"); m64n256k16 "tb": A
-// K-major, B MN-major.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t a, uint64_t b,
-                                                   int scale_d) {
-  wgmma_m64k16<T, 32, 0, 0>(d, a, b, scale_d);
-}
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[128], uint64_t a, uint64_t b,
-                                                    int scale_d) {
-  wgmma_m64k16<T, 256, 0, 1>(d, a, b, scale_d);
-}
-
 // Operand lists of R = N / 2 accumulator registers: the PTX list "{%0, ..., %R-1}", the
 // scale_d predicate source (%R+2), the tail "a-desc, b-desc, p, scale-a, scale-b, trans-a,
 // trans-b" (%R, %R+1, the trans flags %R+3, %R+4 as "n" immediates) and the "+f" outputs.
