@@ -160,6 +160,11 @@ def cases():
                  B=2, Hq=2, Hk=2, Lq=131, Lk=97, D=512, Dv=512, seq_major=True, qlen="zero1",
                  kvlen="rand", wr=0, bottom_right=False),
         ]
+    # Pairs of 32-key blocks (the wgmma backward's clusters): an odd number of key tiles,
+    # random lengths and a window, so a pair's band is the union of two blocks' bands.
+    out.append(dict(name="bf16 D512 GQA2 Lq333 Lk517 window 100/20 qlen kvlen", dt="bf16", B=2,
+                    Hq=4, Hk=2, Lq=333, Lk=517, D=512, Dv=512, wl=100, wr=20, qlen="rand",
+                    kvlen="rand"))
     out.append(dict(name="fp32 D512 B1 H2 L300 sinks", dt="fp32", B=1, Hq=2, Hk=2, Lq=300,
                     Lk=300, D=512, Dv=512, sinks=True))
     return out
