@@ -213,24 +213,6 @@ if has flash_wgmma; then
      --no-peers --out "$OUT/wide_bench" 2>&1 | tail -2) || rc=1
 fi
 
-if has flash_pair; then
-  # The wgmma backward as 2-block clusters (default) and as single blocks
-  # (JAX_SDPA_FLASH_WGMMA_PAIR=0): the wide-head check cases, then the D512 rows both ways.
-  say "wgmma backward: pairs vs single blocks, correctness then D512 timing"
-  for pair in 1 0; do
-    (cd /tmp && JAX_SDPA_FLASH_WGMMA_PAIR=$pair timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
-       $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" \
-       --out "$OUT/pair$pair" 2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" \
-       | tail -30) || rc=1
-  done
-  for pair in 1 0; do
-    peers="--no-peers"; [ $pair = 1 ] && peers="--api"
-    (cd /tmp && JAX_SDPA_FLASH_WGMMA_PAIR=$pair JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P \
-       $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 $peers \
-       --out "$OUT/pair${pair}_bench" 2>&1 | tail -4) || rc=1
-  done
-fi
-
 if has flash_highest; then
   # The bar for fp32 under "highest": outputs and grads within 1e-5 of float64.
   say "our CUDA flash kernels: correctness under 3xTF32, fp32 outputs and grads within 1e-5"

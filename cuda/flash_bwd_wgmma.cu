@@ -53,7 +53,6 @@
 
 #include "cuda/flash_attention.cuh"
 #include "cuda/flash_bwd_wide.cuh"
-#include "cuda/cluster_helpers.cuh"
 #include "cuda/flash_launch_checks.h"
 #include "cuda/tma_helpers.cuh"
 #include "cuda/wgmma_helpers.cuh"
@@ -82,18 +81,13 @@ constexpr int kOffK = 0;
 constexpr int kOffV = kOffK + kChunks * kKTile;
 constexpr int kOffQ = kOffV + kChunks * kKTile;
 constexpr int kOffO = kOffQ + kChunks * kQTile;
-constexpr int kOffdS = kOffO + kChunks * kQTile;  // dS [64 rows][32 keys] in a [64][64] tile
-constexpr int kOffPt = kOffdS + kQTile;           // P^T [32 keys][64 rows]
+constexpr int kOffPt = kOffO + kChunks * kQTile;  // P^T [32 keys][64 rows]
 constexpr int kOffdSt = kOffPt + kKTile;          // dS^T [32 keys][64 rows]
-constexpr int kOffX = kOffdSt + kKTile;           // dP: [4 float4][128 threads]
+constexpr int kOffdS = kOffdSt + kKTile;          // dS [64 rows][32 keys] in a [64][64] tile
+constexpr int kOffX = kOffdS + kQTile;            // dP: [4 float4][128 threads]
 constexpr int kOffL = kOffX + 128 * 16 * 4;       // lse [64]
 constexpr int kOffDl = kOffL + kBr * 4;           // delta [64]
-constexpr int kOffBar = kOffDl + kBr * 4;         // pair mbarriers: [0] full, [1] empty
-constexpr int kSmemUsed = kOffBar + 2 * 8;
-// Pair kernels: Pt, dSt and sX (free during step 4) receive the partner's dQ partial of
-// one 64-column chunk, [8 float4][128 threads].
-constexpr int kOffRecv = kOffPt;
-static_assert(kOffX + 128 * 16 * 4 - kOffRecv == 128 * 32 * 4, "dQ receive buffer contiguous");
+constexpr int kSmemUsed = kOffDl + kBr * 4;
 constexpr int kSmem = kSmemUsed + 1024;           // + alignment slack
 constexpr int kStage = kD + 8;  // epilogue staging row (elements): 1040 bytes, 16-aligned
 static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0 && kOffQ % 1024 == 0 &&
@@ -134,7 +128,7 @@ __device__ __forceinline__ void load_tiles(unsigned char* tiles, const T* g, int
   }
 }
 
-template <typename T, bool kPair>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_wide::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr float kLog2e = 1.4426950408889634f;
@@ -157,43 +151,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
   const int kvlen = static_cast<int>(clamp_length(f.kvlen, b, f.Lk));
   const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
   const int kvalid = max(0, min(kBc, kvlen - k0));
-  // A pair (2-block cluster, key tiles 2p and 2p + 1) walks the query tiles of its 64 keys
-  // together, in the same order: each tile's dQ partials meet in one block (step 4).
-  const int kb0 = kPair ? (key_tile & ~1) * kBc : k0;  // the band's first key
-  const int kbvalid = kPair ? max(0, min(2 * kBc, kvlen - kb0)) : kvalid;
 
-  // Queries whose band reaches keys [kb0, kb0 + kbvalid): i in [j - offset - wr, j - offset + wl].
+  // Queries whose band reaches keys [k0, k0 + kvalid): i in [j - offset - wr, j - offset + wl].
   int64_t i_lo = 0, i_hi = qlen;
-  if (f.wr >= 0 && kb0 - offset - f.wr > i_lo) i_lo = kb0 - offset - f.wr;
-  if (f.wl >= 0 && kb0 + kbvalid - offset + f.wl < i_hi) i_hi = kb0 + kbvalid - offset + f.wl;
+  if (f.wr >= 0 && k0 - offset - f.wr > i_lo) i_lo = k0 - offset - f.wr;
+  if (f.wl >= 0 && k0 + kvalid - offset + f.wl < i_hi) i_hi = k0 + kvalid - offset + f.wl;
   int n_qt = 0;
   int qb_lo = 0;
-  if (kbvalid > 0 && i_hi > i_lo) {
+  if (kvalid > 0 && i_hi > i_lo) {
     qb_lo = static_cast<int>((i_lo / kBr) * kBr);
     n_qt = static_cast<int>((i_hi - qb_lo + kBr - 1) / kBr);
   }
   const int n_iter = f.G * n_qt;
-
-  // Pair: block rank r owns dQ chunks 4 r .. 4 r + 3 (those of its warpgroup r) and adds the
-  // partner's partials of them; its other warpgroup sends its partials to the partner.
-  // bars[0] (full): the partner's partial landed in kOffRecv; bars[1] (empty): the partner's
-  // kOffRecv is free for the next partial.
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kOffBar);
-  const int rank = kPair ? static_cast<int>(cuda_common::cluster_rank()) : 0;
-  const bool owner = wg == rank;
-  uint32_t partner_full = 0, partner_empty = 0, partner_recv = 0;
-  if (kPair) {
-    if (tid == 0) {
-      cuda_common::mbar_init(&bars[0], 128);
-      cuda_common::mbar_init(&bars[1], 128);
-      cuda_common::mbar_init_fence();
-    }
-    partner_full = cuda_common::remote_addr(&bars[0], rank ^ 1);
-    partner_empty = cuda_common::remote_addr(&bars[1], rank ^ 1);
-    partner_recv = cuda_common::remote_addr(smem + kOffRecv, rank ^ 1) + xi * 16;
-    cuda_common::cluster_sync();  // both blocks' barriers initialized
-  }
-  uint32_t full_phase = 0, empty_phase = 0;
 
   // wg0: dV^T (chunk m: dv 64 m + row, key = column); wg1: dK^T (d 64 m + row, key).
   float acc[kChunks][16];
@@ -203,16 +172,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
     for (int i = 0; i < 16; ++i) acc[m][i] = 0.f;
 
   if (n_iter > 0) {
-    // (A pair's block past the keys loads zeros: its copies read nothing.)
-    const int kload = kvalid > 0 ? k0 : 0;
     const T* Kg = static_cast<const T*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
-                  static_cast<int64_t>(kload) * f.ks[2];
+                  static_cast<int64_t>(k0) * f.ks[2];
     const T* Vg = static_cast<const T*>(f.v) + b * f.vs[0] + hk * f.vs[1] +
-                  static_cast<int64_t>(kload) * f.vs[2];
+                  static_cast<int64_t>(k0) * f.vs[2];
     load_tiles<T, kBc>(smem + kOffK, Kg, f.ks[2], kvalid, f.D);
     load_tiles<T, kBc>(smem + kOffV, Vg, f.vs[2], kvalid, f.Dv);
 
-    const int rot = (kPair ? key_tile >> 1 : key_tile) % n_iter;
+    const int rot = key_tile % n_iter;
     auto tile_of = [&](int it, int& h, int& qb) {
       int idx = it + rot;
       if (idx >= n_iter) idx -= n_iter;
@@ -341,8 +308,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
       cp_async_commit();
 
       // ---- 4. dQ[64 rows, chunk c] = dS[64 x 32 keys] K[32 keys, chunk c] -> atomics ----
-      // (Pair: the owner's kOffRecv is free from here to its next step 2.)
-      if (kPair && owner) cuda_common::mbar_arrive_remote(partner_empty);
       float* dq_tile = a.dq_accum + ((static_cast<int64_t>(b) * f.Hq + h) * f.Lq + qb) * f.D;
 #pragma unroll 1
       for (int j = 0; j < 4; ++j) {
@@ -359,31 +324,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
                                     ks);
         wgmma_commit();
         wgmma_wait<0>();
-        if (kPair) {
-          float4* recv = reinterpret_cast<float4*>(smem + kOffRecv) + xi;
-          if (!owner) {  // to the partner, which adds it to its own and does the atomics
-            cuda_common::mbar_wait_cluster(&bars[1], empty_phase & 1);
-            ++empty_phase;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-              cuda_common::st_cluster_f4(partner_recv + i * 128 * 16,
-                                         make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2],
-                                                     d[4 * i + 3]));
-            cuda_common::mbar_arrive_remote(partner_full);
-            continue;
-          }
-          cuda_common::mbar_wait_cluster(&bars[0], full_phase & 1);
-          ++full_phase;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float4 x = recv[i * 128];
-            d[4 * i] += x.x;
-            d[4 * i + 1] += x.y;
-            d[4 * i + 2] += x.z;
-            d[4 * i + 3] += x.w;
-          }
-          if (j < 3) cuda_common::mbar_arrive_remote(partner_empty);  // free for chunk j + 1
-        }
         // One float4 atomic a thread and n8 block instead of two float2 (half the atomic
         // operations, the kernel's largest traffic): lanes t and t ^ 1 swap a pair, so an
         // even t holds columns 2t .. 2t + 3 of row rl0, an odd t columns 2t - 2 .. 2t + 1
@@ -408,10 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
 
   // ---- epilogue: dV^T (wg0) / scale * dK^T (wg1) -> [32 keys][kStage] in the free Q / dO
   // tiles, then 16-byte stores of the rows < Lk ----
-  if (kPair)
-    cuda_common::cluster_sync();  // E1, and no block leaves while its partner signals it
-  else
-    __syncthreads();  // E1
+  __syncthreads();  // E1
   {
     T* st = reinterpret_cast<T*>(smem + (wg ? kOffO : kOffQ));
     const float sc = wg ? f.scale : 1.f;
@@ -446,46 +383,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
 #endif
 }
 
-// Pairs of key blocks as 2-block clusters (JAX_SDPA_FLASH_WGMMA_PAIR=0: single blocks):
-// half the dq atomics, the kernel's largest L2 traffic.
-bool pair_enabled() {
-  static const bool on = knob_not_off("JAX_SDPA_FLASH_WGMMA_PAIR");
-  return on;
-}
-
 template <typename T>
 cudaError_t launch(const bwd_wide::Args& a, const SdpaParams& p, cudaStream_t stream) {
-  auto single = flash_bwd_wgmma_kernel<T, false>;
-  auto pair = flash_bwd_wgmma_kernel<T, true>;
+  auto kernel = flash_bwd_wgmma_kernel<T>;
   // No sm_90a image for this device (not an H100 / H200): the wide kernel serves.
-  if (cudaFuncSetAttribute(single, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
       cudaSuccess) {
     (void)cudaGetLastError();
     return cudaErrorNotSupported;
   }
   if (p.len_kv <= 0 || p.heads_kv <= 0 || p.batch <= 0) return cudaSuccess;  // nothing to do
-  const unsigned key_tiles = static_cast<unsigned>((p.len_kv + kBc - 1) / kBc);
-  if (pair_enabled() && cudaFuncSetAttribute(pair, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kSmem) == cudaSuccess) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((key_tiles + 1) & ~1u, static_cast<unsigned>(p.heads_kv),
-                       static_cast<unsigned>(p.batch));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, pair, a) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();  // refused (cluster resources): single blocks serve
-  }
-  (void)cudaGetLastError();
-  const dim3 grid(key_tiles, static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
-  single<<<grid, kThreads, kSmem, stream>>>(a);
+  const dim3 grid(static_cast<unsigned>((p.len_kv + kBc - 1) / kBc),
+                  static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
+  kernel<<<grid, kThreads, kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
