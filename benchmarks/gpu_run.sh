@@ -4,7 +4,7 @@
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
-#                                           flash_pair flash_ncu api
+#                                           flash_ncu api
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -211,25 +211,6 @@ if has flash_wgmma; then
   (cd /tmp && JAX_SDPA_FLASH_WGMMA=0 JAX_SDPA_FLASH_WGMMA_BWD=0 JAX_SDPA_POISON_OUTPUTS=0 \
      timeout 200 python3 -P $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 \
      --no-peers --out "$OUT/wide_bench" 2>&1 | tail -2) || rc=1
-fi
-
-if has flash_pair; then
-  # The wgmma backward as 2-block clusters (default) and as single blocks
-  # (JAX_SDPA_FLASH_WGMMA_PAIR=0): the wide-head check cases, then the D512 rows both ways.
-  say "wgmma backward: pairs vs single blocks, correctness then D512 timing"
-  for pair in 1 0; do
-    (cd /tmp && JAX_SDPA_FLASH_WGMMA_PAIR=$pair timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
-       $repo/benchmarks/gpu_flash_check.py --only check --cases "D320,D384,D512" \
-       --out "$OUT/pair$pair" 2>&1 | grep -E "^(ok|FAIL)|check:|rror" | grep -v "^ok   fp32" \
-       | tail -30) || rc=1
-  done
-  for rep in 1 2; do  # A B A B: separate processes (the knob is read once a process)
-    for pair in 1 0; do
-      (cd /tmp && JAX_SDPA_FLASH_WGMMA_PAIR=$pair JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P \
-         $repo/benchmarks/gpu_flash_check.py --only bench --rows D512 --no-peers \
-         --out "$OUT/pair${pair}_bench$rep" 2>&1 | tail -2) || rc=1
-    done
-  done
 fi
 
 if has flash_highest; then

@@ -53,7 +53,6 @@
 
 #include "cuda/flash_attention.cuh"
 #include "cuda/flash_bwd_wide.cuh"
-#include "cuda/cluster_helpers.cuh"
 #include "cuda/flash_launch_checks.h"
 #include "cuda/tma_helpers.cuh"
 #include "cuda/wgmma_helpers.cuh"
@@ -82,23 +81,18 @@ constexpr int kOffK = 0;
 constexpr int kOffV = kOffK + kChunks * kKTile;
 constexpr int kOffQ = kOffV + kChunks * kKTile;
 constexpr int kOffO = kOffQ + kChunks * kQTile;
-constexpr int kOffdS = kOffO + kChunks * kQTile;  // dS [64 rows][32 keys] in a [64][64] tile
-constexpr int kOffPt = kOffdS + kQTile;           // P^T [32 keys][64 rows]
+constexpr int kOffPt = kOffO + kChunks * kQTile;  // P^T [32 keys][64 rows]
 constexpr int kOffdSt = kOffPt + kKTile;          // dS^T [32 keys][64 rows]
-// Single blocks: dP [4 float4][128 threads] (wg1 -> wg0). Pairs: in its place the partner's
-// K, the four [32 keys][64] chunk tiles of the 256 dq columns this block owns.
-constexpr int kOffX = kOffdSt + kKTile;
-constexpr int kOffKp = kOffX;
-constexpr int kOffL = kOffKp + 4 * kKTile;        // lse [64]
+constexpr int kOffdS = kOffdSt + kKTile;          // dS [64 rows][32 keys] in a [64][64] tile
+constexpr int kOffX = kOffdS + kQTile;            // dP: [4 float4][128 threads]
+constexpr int kOffL = kOffX + 128 * 16 * 4;       // lse [64]
 constexpr int kOffDl = kOffL + kBr * 4;           // delta [64]
-constexpr int kOffBar = kOffDl + kBr * 4;         // pair mbarriers: [0] full, [1] empty
-constexpr int kSmemUsed = kOffBar + 2 * 8;
-static_assert(128 * 16 * 4 <= 4 * kKTile, "dP exchange fits the partner-K space");
+constexpr int kSmemUsed = kOffDl + kBr * 4;
 constexpr int kSmem = kSmemUsed + 1024;           // + alignment slack
 constexpr int kStage = kD + 8;  // epilogue staging row (elements): 1040 bytes, 16-aligned
 static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0 && kOffQ % 1024 == 0 &&
                   kOffO % 1024 == 0 && kOffPt % 1024 == 0 && kOffdSt % 1024 == 0 &&
-                  kOffdS % 1024 == 0 && kOffKp % 1024 == 0,
+                  kOffdS % 1024 == 0,
               "wgmma tiles 1024-byte aligned");
 static_assert(kOffX % 16 == 0 && kOffL % 16 == 0 && kOffDl % 16 == 0, "16-byte aligned");
 static_assert(kBc * kStage * 2 <= kChunks * kQTile, "dK / dV staging fits a Q / dO buffer");
@@ -134,7 +128,7 @@ __device__ __forceinline__ void load_tiles(unsigned char* tiles, const T* g, int
   }
 }
 
-template <typename T, bool kPair>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_wide::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr float kLog2e = 1.4426950408889634f;
@@ -157,42 +151,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
   const int kvlen = static_cast<int>(clamp_length(f.kvlen, b, f.Lk));
   const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
   const int kvalid = max(0, min(kBc, kvlen - k0));
-  // A pair (2-block cluster, key tiles 2p and 2p + 1) walks the query tiles of its 64 keys
-  // together, in the same order: each tile's dQ partials meet in one block (step 4).
-  const int kb0 = kPair ? (key_tile & ~1) * kBc : k0;  // the band's first key
-  const int kbvalid = kPair ? max(0, min(2 * kBc, kvlen - kb0)) : kvalid;
 
-  // Queries whose band reaches keys [kb0, kb0 + kbvalid): i in [j - offset - wr, j - offset + wl].
+  // Queries whose band reaches keys [k0, k0 + kvalid): i in [j - offset - wr, j - offset + wl].
   int64_t i_lo = 0, i_hi = qlen;
-  if (f.wr >= 0 && kb0 - offset - f.wr > i_lo) i_lo = kb0 - offset - f.wr;
-  if (f.wl >= 0 && kb0 + kbvalid - offset + f.wl < i_hi) i_hi = kb0 + kbvalid - offset + f.wl;
+  if (f.wr >= 0 && k0 - offset - f.wr > i_lo) i_lo = k0 - offset - f.wr;
+  if (f.wl >= 0 && k0 + kvalid - offset + f.wl < i_hi) i_hi = k0 + kvalid - offset + f.wl;
   int n_qt = 0;
   int qb_lo = 0;
-  if (kbvalid > 0 && i_hi > i_lo) {
+  if (kvalid > 0 && i_hi > i_lo) {
     qb_lo = static_cast<int>((i_lo / kBr) * kBr);
     n_qt = static_cast<int>((i_hi - qb_lo + kBr - 1) / kBr);
   }
   const int n_iter = f.G * n_qt;
-
-  // Pair: block rank r owns dq columns 256 r .. 256 r + 255 (chunks 4 r .. 4 r + 3) for the
-  // pair's 64 keys: it gets the partner's dS (into units 4..7 of its dS tile) each query
-  // tile and holds the partner's K of those columns (kOffKp), so one block's atomics carry
-  // both blocks' sum. bars[0] (full): the partner's dS of this tile landed; bars[1] (empty):
-  // the partner's step 4 of the previous tile is done with the dS tile we write into.
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kOffBar);
-  const int rank = kPair ? static_cast<int>(cuda_common::cluster_rank()) : 0;
-  uint32_t partner_full = 0, partner_empty = 0, partner_dS = 0;
-  if (kPair) {
-    if (tid == 0) {
-      cuda_common::mbar_init(&bars[0], 128);  // wg1's threads, which write dS
-      cuda_common::mbar_init(&bars[1], kThreads);
-      cuda_common::mbar_init_fence();
-    }
-    partner_full = cuda_common::remote_addr(&bars[0], rank ^ 1);
-    partner_empty = cuda_common::remote_addr(&bars[1], rank ^ 1);
-    partner_dS = cuda_common::remote_addr(smem + kOffdS, rank ^ 1);
-    cuda_common::cluster_sync();  // both blocks' barriers initialized
-  }
 
   // wg0: dV^T (chunk m: dv 64 m + row, key = column); wg1: dK^T (d 64 m + row, key).
   float acc[kChunks][16];
@@ -202,32 +172,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
     for (int i = 0; i < 16; ++i) acc[m][i] = 0.f;
 
   if (n_iter > 0) {
-    // (A pair's block past the keys loads zeros: its copies read nothing.)
-    const int kload = kvalid > 0 ? k0 : 0;
     const T* Kg = static_cast<const T*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
-                  static_cast<int64_t>(kload) * f.ks[2];
+                  static_cast<int64_t>(k0) * f.ks[2];
     const T* Vg = static_cast<const T*>(f.v) + b * f.vs[0] + hk * f.vs[1] +
-                  static_cast<int64_t>(kload) * f.vs[2];
+                  static_cast<int64_t>(k0) * f.vs[2];
     load_tiles<T, kBc>(smem + kOffK, Kg, f.ks[2], kvalid, f.D);
     load_tiles<T, kBc>(smem + kOffV, Vg, f.vs[2], kvalid, f.Dv);
-    if (kPair) {
-      // The partner's keys, columns 256 rank ..: 32 rows x 32 units, four a thread.
-      const int kp0 = (key_tile ^ 1) * kBc;
-      const int kpvalid = max(0, min(kBc, kvlen - kp0));
-      const T* Kp = static_cast<const T*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
-                    static_cast<int64_t>(kpvalid > 0 ? kp0 : 0) * f.ks[2];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int u = tid + q * kThreads;    // 0 .. 1023
-        const int r = u >> 5, cu = u & 31;   // key row, 16-byte unit of the 256 columns
-        const int col = rank * 256 + cu * 8;
-        const bool ok = r < kpvalid && col < f.D;
-        cp_async16(smem + kOffKp + (cu >> 3) * kKTile + swz(r, cu & 7),
-                   ok ? Kp + static_cast<int64_t>(r) * f.ks[2] + col : Kp, ok);
-      }
-    }
 
-    const int rot = (kPair ? key_tile >> 1 : key_tile) % n_iter;
+    const int rot = key_tile % n_iter;
     auto tile_of = [&](int it, int& h, int& qb) {
       int idx = it + rot;
       if (idx >= n_iter) idx -= n_iter;
@@ -288,124 +240,54 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
       wgmma_commit();
       wgmma_wait<0>();
 
-      // ---- 2. P, dS (rows rl0 (+8), keys 8 i + 2 t (+1)) ----
-      if constexpr (!kPair) {
-        // dP to wg0, which computes P and dS.
-        if (wg == 1) {
+      // ---- 2. dP to wg0; P, dS (rows rl0 (+8), keys 8 i + 2 t (+1)) ----
+      if (wg == 1) {
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
-            sX[q * 128 + xi] = make_float4(s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3]);
+        for (int q = 0; q < 4; ++q)
+          sX[q * 128 + xi] = make_float4(s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3]);
+      }
+      __syncthreads();  // B1
+      if (wg == 0) {
+        const bool full = tile_all_visible(f, qb, kBr, k0, kBc, qlen, kvlen, offset);
+        float lse2[2], dl[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float l = sL[rl0 + 8 * r];
+          lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // P = 0 for lse = -inf
+          dl[r] = sDl[rl0 + 8 * r];
         }
-        __syncthreads();  // B1
-        if (wg == 0) {
-          const bool full = tile_all_visible(f, qb, kBr, k0, kBc, qlen, kvlen, offset);
-          float lse2[2], dl[2];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float l = sL[rl0 + 8 * r];
-            lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // P = 0 for lse = -inf
-            dl[r] = sDl[rl0 + 8 * r];
-          }
+        for (int i = 0; i < 4; ++i) {
+          const float4 dp4 = sX[i * 128 + xi];
+          const float dp[4] = {dp4.x, dp4.y, dp4.z, dp4.w};
+          float dsv[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float4 dp4 = sX[i * 128 + xi];
-            const float dp[4] = {dp4.x, dp4.y, dp4.z, dp4.w};
-            float dsv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int r = e >> 1;
-              const int rl = rl0 + 8 * r;           // row in the tile
-              const int kl = 8 * i + 2 * t + (e & 1);  // key in the block
-              float p;
-              if (full) {
-                p = fast_exp2(fmaf(s[4 * i + e], a.scale_log2, -lse2[r]));
-              } else {
-                const float x = visible_score(f, b, h, qb + rl, k0 + kl, qlen, kvlen, offset,
-                                              s[4 * i + e] * a.scale_log2);
-                p = fast_exp2(x - lse2[r]);
-              }
-              const float ds = p * (dp[e] - dl[r]);
-              dsv[e] = ds;
-              // P^T, dS^T [key][row]: row rl is element rl % 8 of unit rl / 8 of line kl.
-              const uint32_t tofs = swz(kl, rl >> 3) + (rl & 7) * 2;
-              *reinterpret_cast<T*>(sPt + tofs) = from_float<T>(p);
-              *reinterpret_cast<T*>(sdSt + tofs) = from_float<T>(ds);
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int rl = rl0 + 8 * r;           // row in the tile
+            const int kl = 8 * i + 2 * t + (e & 1);  // key in the block
+            float p;
+            if (full) {
+              p = fast_exp2(fmaf(s[4 * i + e], a.scale_log2, -lse2[r]));
+            } else {
+              const float x = visible_score(f, b, h, qb + rl, k0 + kl, qlen, kvlen, offset,
+                                            s[4 * i + e] * a.scale_log2);
+              p = fast_exp2(x - lse2[r]);
             }
-            // dS [row][key]: keys 8 i + 2 t, + 1 are elements 2 t, 2 t + 1 of unit i.
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-              *reinterpret_cast<uint32_t*>(sdS + swz(rl0 + 8 * r, i) + t * 4) =
-                  pack2<T>(dsv[2 * r], dsv[2 * r + 1]);
+            const float ds = p * (dp[e] - dl[r]);
+            dsv[e] = ds;
+            // P^T, dS^T [key][row]: row rl is element rl % 8 of unit rl / 8 of line kl.
+            const uint32_t tofs = swz(kl, rl >> 3) + (rl & 7) * 2;
+            *reinterpret_cast<T*>(sPt + tofs) = from_float<T>(p);
+            *reinterpret_cast<T*>(sdSt + tofs) = from_float<T>(ds);
           }
-          fence_proxy_async_smem();  // the st.shared above, before the wgmmas read them
+          // dS [row][key]: keys 8 i + 2 t, + 1 are elements 2 t, 2 t + 1 of unit i.
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<uint32_t*>(sdS + swz(rl0 + 8 * r, i) + t * 4) =
+                pack2<T>(dsv[2 * r], dsv[2 * r + 1]);
         }
-      } else {
-        // wg0 computes P into Pt (16-bit) and its rounding residue into dSt; wg1 reads back
-        // their sum (P to ~2^-16) for dS = P (dP - delta), then overwrites the residue with
-        // dS^T (same thread, same element): sX's space holds the partner's K. wg1 also
-        // writes its dS into the partner's dS tile.
-        if (wg == 0) {
-          const bool full = tile_all_visible(f, qb, kBr, k0, kBc, qlen, kvlen, offset);
-          float lse2[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float l = sL[rl0 + 8 * r];
-            lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // P = 0 for lse = -inf
-          }
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int r = e >> 1;
-              const int rl = rl0 + 8 * r;
-              const int kl = 8 * i + 2 * t + (e & 1);
-              float p;
-              if (full) {
-                p = fast_exp2(fmaf(s[4 * i + e], a.scale_log2, -lse2[r]));
-              } else {
-                const float x = visible_score(f, b, h, qb + rl, k0 + kl, qlen, kvlen, offset,
-                                              s[4 * i + e] * a.scale_log2);
-                p = fast_exp2(x - lse2[r]);
-              }
-              const uint32_t tofs = swz(kl, rl >> 3) + (rl & 7) * 2;
-              const T ph = from_float<T>(p);
-              *reinterpret_cast<T*>(sPt + tofs) = ph;
-              *reinterpret_cast<T*>(sdSt + tofs) = from_float<T>(p - to_float<T>(ph));
-            }
-          fence_proxy_async_smem();
-        }
-        __syncthreads();  // B1: Pt written
-        if (wg == 1) {
-          float dl[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) dl[r] = sDl[rl0 + 8 * r];
-          // The partner's step 4 of the previous tile is done with its dS tile.
-          if (it > 0) cuda_common::mbar_wait_cluster(&bars[1], (it - 1) & 1);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            float dsv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int r = e >> 1;
-              const int rl = rl0 + 8 * r;
-              const int kl = 8 * i + 2 * t + (e & 1);
-              const uint32_t tofs = swz(kl, rl >> 3) + (rl & 7) * 2;
-              const float p = to_float<T>(*reinterpret_cast<const T*>(sPt + tofs)) +
-                              to_float<T>(*reinterpret_cast<const T*>(sdSt + tofs));
-              dsv[e] = p * (s[4 * i + e] - dl[r]);
-              *reinterpret_cast<T*>(sdSt + tofs) = from_float<T>(dsv[e]);
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const uint32_t v = pack2<T>(dsv[2 * r], dsv[2 * r + 1]);
-              *reinterpret_cast<uint32_t*>(sdS + swz(rl0 + 8 * r, i) + t * 4) = v;
-              cuda_common::st_cluster_u32(partner_dS + swz(rl0 + 8 * r, i + 4) + t * 4, v);
-            }
-          }
-          fence_proxy_async_smem();
-          cuda_common::fence_proxy_async_cluster();
-          cuda_common::mbar_arrive_remote(partner_full);
-        }
+        fence_proxy_async_smem();  // the st.shared above, before the wgmmas read them
       }
       __syncthreads();  // B2
 
@@ -426,30 +308,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
       cp_async_commit();
 
       // ---- 4. dQ[64 rows, chunk c] = dS[64 x 32 keys] K[32 keys, chunk c] -> atomics ----
-      // (Pair: the partner's dS of this tile is in units 4..7 of the dS tile.)
-      if (kPair) {
-        cuda_common::mbar_wait_cluster(&bars[0], it & 1);
-        fence_proxy_async_smem();
-      }
       float* dq_tile = a.dq_accum + ((static_cast<int64_t>(b) * f.Hq + h) * f.Lq + qb) * f.D;
-      constexpr int kQChunks = kPair ? 2 : 4;  // chunks a warpgroup
-      constexpr int kKSteps = kPair ? 4 : 2;   // 16-key steps: the pair's 64 keys, or ours
 #pragma unroll 1
-      for (int j = 0; j < kQChunks; ++j) {
-        // 64-column chunk of D (past D: zeros, no atomics)
-        const int c = kPair ? rank * 4 + wg * 2 + j : wg * 4 + j;
+      for (int j = 0; j < 4; ++j) {
+        const int c = wg * 4 + j;  // 64-column chunk of D (past D: zeros, no atomics)
         float d[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) d[i] = 0.f;
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          const uint32_t kb = ks < 2 ? base + kOffK + c * kKTile + ks * 16 * 128
-                                     : base + kOffKp + (c - rank * 4) * kKTile +
-                                           (ks - 2) * 16 * 128;
+        for (int ks = 0; ks < kBc / 16; ++ks)
           wgmma_m64k16<T, 64, 0, 1>(d, wgmma_desc(base + kOffdS + ks * 32, 16, 1024),
-                                    wgmma_desc(kb, kKTile, 1024), ks);
-        }
+                                    wgmma_desc(base + kOffK + c * kKTile + ks * 16 * 128, kKTile,
+                                               1024),
+                                    ks);
         wgmma_commit();
         wgmma_wait<0>();
         // One float4 atomic a thread and n8 block instead of two float2 (half the atomic
@@ -470,19 +342,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
           if (row_ok && col + 8 * i < f.D) atomicAdd(reinterpret_cast<float4*>(dst + 8 * i), v);
         }
       }
-      // Pair: our dS tile is free for the partner's next dS (not after the last tile: the
-      // partner may have left).
-      if (kPair && it + 1 < n_iter) cuda_common::mbar_arrive_remote(partner_empty);
     }
     cp_async_wait<0>();
   }
 
   // ---- epilogue: dV^T (wg0) / scale * dK^T (wg1) -> [32 keys][kStage] in the free Q / dO
   // tiles, then 16-byte stores of the rows < Lk ----
-  if (kPair)
-    cuda_common::cluster_sync();  // E1, and no block leaves while its partner signals it
-  else
-    __syncthreads();  // E1
+  __syncthreads();  // E1
   {
     T* st = reinterpret_cast<T*>(smem + (wg ? kOffO : kOffQ));
     const float sc = wg ? f.scale : 1.f;
@@ -517,46 +383,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
 #endif
 }
 
-// Pairs of key blocks as 2-block clusters (JAX_SDPA_FLASH_WGMMA_PAIR=0: single blocks):
-// half the dq atomics, the kernel's largest L2 traffic.
-bool pair_enabled() {
-  static const bool on = knob_not_off("JAX_SDPA_FLASH_WGMMA_PAIR");
-  return on;
-}
-
 template <typename T>
 cudaError_t launch(const bwd_wide::Args& a, const SdpaParams& p, cudaStream_t stream) {
-  auto single = flash_bwd_wgmma_kernel<T, false>;
-  auto pair = flash_bwd_wgmma_kernel<T, true>;
+  auto kernel = flash_bwd_wgmma_kernel<T>;
   // No sm_90a image for this device (not an H100 / H200): the wide kernel serves.
-  if (cudaFuncSetAttribute(single, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
       cudaSuccess) {
     (void)cudaGetLastError();
     return cudaErrorNotSupported;
   }
   if (p.len_kv <= 0 || p.heads_kv <= 0 || p.batch <= 0) return cudaSuccess;  // nothing to do
-  const unsigned key_tiles = static_cast<unsigned>((p.len_kv + kBc - 1) / kBc);
-  if (pair_enabled() && cudaFuncSetAttribute(pair, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kSmem) == cudaSuccess) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((key_tiles + 1) & ~1u, static_cast<unsigned>(p.heads_kv),
-                       static_cast<unsigned>(p.batch));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, pair, a) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();  // refused (cluster resources): single blocks serve
-  }
-  (void)cudaGetLastError();
-  const dim3 grid(key_tiles, static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
-  single<<<grid, kThreads, kSmem, stream>>>(a);
+  const dim3 grid(static_cast<unsigned>((p.len_kv + kBc - 1) / kBc),
+                  static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
+  kernel<<<grid, kThreads, kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
