@@ -382,6 +382,17 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None, api=False)
                 row["ours_fwdbwd_temp_gib"] = temp_bytes(fbj, (q, k, v)) / 2**30
             except Exception as e:  # noqa: BLE001
                 row["ours_fwdbwd_error"] = str(e)[:300]
+            # The backward alone (out and lse computed once): the forward's run-to-run
+            # spread does not blur it.
+            try:
+                wr = 0 if causal else -1
+                o, lse = jax.jit(lambda q, k, v: flash_fwd(q, k, v, wr=wr))(q, k, v)
+                bj = jax.jit(lambda q, k, v, o, lse: flash_bwd(q, k, v, o, lse, o, wr=wr))
+                t = median_time(bj, (q, k, v, o, lse))
+                row["ours_bwd_ms"] = t * 1e3
+                row["ours_bwd_tflops"] = 2.5 * flops / t / 1e12
+            except Exception as e:  # noqa: BLE001
+                row["ours_bwd_error"] = str(e)[:300]
         qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # jax.nn layout [B, T, N, H]
         for impl in ("xla", "cudnn") if peers else ():
             f = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
