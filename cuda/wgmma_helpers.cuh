@@ -136,3 +136,84 @@ JAX_SDPA_WGMMA_DEF(__half, "f16", 256, 128)
 
 }  // namespace cuda_common
 }  // namespace jax_sdpa
+
+// ---- Narrow shapes and A from registers (the decode kernel, cuda/decode_wgmma.cu) ----------
+
+namespace jax_sdpa {
+namespace cuda_common {
+
+// m64n8k16 and m64n16k16 with A and B in shared memory: wgmma_m64k16<T, 8 | 16, ...>.
+#define JAX_SDPA_WGMMA_NARROW_DEF(T, PTX, N, R, REGS, TAIL, PRED, ...)                   \
+  template <>                                                                            \
+  struct WgmmaM64K16<T, N> {                                                             \
+    template <int kTransA, int kTransB>                                                  \
+    __device__ static __forceinline__ void run(float (&d)[R], uint64_t a, uint64_t b,    \
+                                               int scale_d) {                            \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS \
+                   ", " TAIL                                                             \
+                   : __VA_ARGS__                                                         \
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(kTransA), "n"(kTransB));          \
+    }                                                                                    \
+  };
+#define JAX_SDPA_WGMMA_N8 "{%0, %1, %2, %3}", "%4, %5, p, 1, 1, %7, %8;\n}\n", "%6", \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+#define JAX_SDPA_WGMMA_N16 "{%0, %1, %2, %3, %4, %5, %6, %7}", \
+  "%8, %9, p, 1, 1, %11, %12;\n}\n", "%10", \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define JAX_SDPA_WGMMA_EXPAND(DEF, ...) DEF(__VA_ARGS__)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_NARROW_DEF, __nv_bfloat16, "bf16", 8, 4, JAX_SDPA_WGMMA_N8)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_NARROW_DEF, __half, "f16", 8, 4, JAX_SDPA_WGMMA_N8)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_NARROW_DEF, __nv_bfloat16, "bf16", 16, 8, JAX_SDPA_WGMMA_N16)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_NARROW_DEF, __half, "f16", 16, 8, JAX_SDPA_WGMMA_N16)
+#undef JAX_SDPA_WGMMA_NARROW_DEF
+#undef JAX_SDPA_WGMMA_N8
+#undef JAX_SDPA_WGMMA_N16
+
+// d (+)= A B, m64nNk16, A from registers (a0..a3: the mma.sync m16n8k16 A fragment of the
+// warp's 16 rows: rows g, g + 8, columns 2t, 2t + 8 of the k16 step), B 16-bit in shared
+// memory (K-major: kTransB 0). Built for N = 16 and 32.
+template <typename T, int N>
+struct WgmmaM64K16RS;
+
+template <typename T, int N, int kTransB>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], uint32_t a0, uint32_t a1,
+                                                uint32_t a2, uint32_t a3, uint64_t b,
+                                                int scale_d) {
+  WgmmaM64K16RS<T, N>::template run<kTransB>(d, a0, a1, a2, a3, b, scale_d);
+}
+
+#define JAX_SDPA_WGMMA_RS_DEF(T, PTX, N, R, REGS, TAIL, PRED, ...)                        \
+  template <>                                                                            \
+  struct WgmmaM64K16RS<T, N> {                                                           \
+    template <int kTransB>                                                               \
+    __device__ static __forceinline__ void run(float (&d)[R], uint32_t a0, uint32_t a1,  \
+                                               uint32_t a2, uint32_t a3, uint64_t b,     \
+                                               int scale_d) {                            \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS \
+                   ", " TAIL                                                             \
+                   : __VA_ARGS__                                                         \
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(scale_d),           \
+                     "n"(kTransB));                                                      \
+    }                                                                                    \
+  };
+#define JAX_SDPA_WGMMA_RS16 "{%0, %1, %2, %3, %4, %5, %6, %7}", \
+  "{%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n", "%13", \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define JAX_SDPA_WGMMA_RS32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", \
+  "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n", "%21", \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_RS_DEF, __nv_bfloat16, "bf16", 16, 8, JAX_SDPA_WGMMA_RS16)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_RS_DEF, __half, "f16", 16, 8, JAX_SDPA_WGMMA_RS16)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_RS_DEF, __nv_bfloat16, "bf16", 32, 16, JAX_SDPA_WGMMA_RS32)
+JAX_SDPA_WGMMA_EXPAND(JAX_SDPA_WGMMA_RS_DEF, __half, "f16", 32, 16, JAX_SDPA_WGMMA_RS32)
+#undef JAX_SDPA_WGMMA_RS_DEF
+#undef JAX_SDPA_WGMMA_RS16
+#undef JAX_SDPA_WGMMA_RS32
+#undef JAX_SDPA_WGMMA_EXPAND
+
+}  // namespace cuda_common
+}  // namespace jax_sdpa
