@@ -24,15 +24,10 @@ for tu in decode_attention decode_attention_f16 decode_attention_bf16; do
     $gencode -Xptxas -v -c cuda/$tu.cu -o "$out/$tu.o" 2> "$out/ptxas_$tu.txt" &
   pids+=($!)
 done
-# The wgmma decode kernel: sm_90a code only (on other GPUs the plan sees no image for it).
-nvcc -std=c++17 -O3 --threads 0 -Xcompiler -fPIC -ccbin "$CXX" -I. -Icuda --expt-relaxed-constexpr \
-  -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -c cuda/decode_wgmma.cu -o "$out/decode_wgmma.o" \
-  2> "$out/ptxas_decode_wgmma.txt" &
-pids+=($!)
 for p in "${pids[@]}"; do wait "$p" || { cat "$out"/ptxas_*.txt | grep -i error; exit 1; }; done
 "$CXX" -std=c++17 -O2 -fPIC -I. -I"$ffi_inc" -I"$cuda_inc" \
   -c ffi/cuda_decode_handler.cc -o "$out/cuda_decode_handler.o"
 nvcc -shared -ccbin "$CXX" -cudart static "$out/decode_attention.o" "$out/decode_attention_f16.o" \
-  "$out/decode_attention_bf16.o" "$out/decode_wgmma.o" "$out/cuda_decode_handler.o" \
+  "$out/decode_attention_bf16.o" "$out/cuda_decode_handler.o" \
   -o "$out/libjax_sdpa_cuda_decode.so"
 echo "built $out/libjax_sdpa_cuda_decode.so"

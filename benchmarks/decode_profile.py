@@ -32,10 +32,8 @@ KNOB = "JAX_SDPA_CUDA_DECODE_"
 VARIANTS = {  # knob settings (JAX_SDPA_CUDA_DECODE_*) timed per row besides the default
     0: [{}],
     1: [{}],
-    # D512 16-bit: decode_wgmma_kernel (default on H100 / H200), decode_wide_tma_kernel, the
-    # cp.async wide kernel.
-    2: [{}, {"WGMMA": "off"}, {"WGMMA": "off", "WIDE_TMA": "off"}],
-    3: [{}, {"WGMMA": "off"}, {"WGMMA": "off", "WIDE_TMA": "off"}],
+    2: [{}, {"WIDE_TMA": "off"}],  # the wide kernel fed by TMA (default) and by cp.async
+    3: [{}, {"WIDE_TMA": "off"}],
     4: [{}],
 }
 

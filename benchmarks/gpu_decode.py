@@ -163,8 +163,7 @@ def _cases():
                  Lk=900, D=256, Dv=256, wr=0),
         ]
     # D256 at 8 rows a block (16 bits: decode_tma_kernel with one tile a 64-wide chunk on
-    # sm_90+) and D512 (16 bits: decode_wgmma_kernel on H100 / H200, the wide kernels
-    # elsewhere or with DECODE_CHECK_KNOBS="WGMMA=off" (decode_wide_tma_kernel on sm_90+);
+    # sm_90+) and D512 (the wide kernels at 16 bits, decode_wide_tma_kernel on sm_90+;
     # fp32: the CUDA-core kernels): the features.
     for dt in ("bf16", "fp16"):
         cases += _feature_cases(dt, 256, top_left="Lq2 G4 causal top-left", top_left_lq=2,
@@ -486,10 +485,8 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
 # WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}; on fp32 D512 calls:
 # decode_wide_f32_kernel, the default there, NW8 S3 / S2; "off": never); WIDE_TMA = NW,S,KT of
-# decode_wide_tma_kernel (16-bit D = Dv = 512, sm_90+, the default there without wgmma; D256
-# built as variants; "off": never); WGMMA = KS,S[,r] of decode_wgmma_kernel (16-bit D = Dv =
-# 512 on H100 / H200, the default there: 32,3; built 32,3 / 16,6 / 32,3,r with Q in
-# registers; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128 and 256,
+# decode_wide_tma_kernel (16-bit D = Dv = 512, sm_90+, the default there; D256 built as
+# variants; "off": never); TMA = W,S of decode_tma_kernel (16-bit D = Dv = 128 and 256,
 # sm_90+, the default there; "off": never); TMA_L2 = its tensor maps' L2 fetch size (0, 64, 128,
 # 256); MIN_SPLIT_KB = least K+V bytes a split; SPLITS pins the split count; COMBINE
 # picks the split-K merge. {} = the defaults. Rows: (name, dt, B, Hq, Hk, Lk, D).
@@ -499,10 +496,7 @@ SWEEP = [
     # The split-K merge behind decode_tma_kernel: in a cluster (default) vs combine_kernel.
     (BENCH_ROWS[0], [{}, {"COMBINE": "kernel"}]),
     (BENCH_ROWS[1], [{}, {"COMBINE": "kernel"}]),
-    # D512 16-bit: decode_wgmma_kernel (default) variants vs decode_wide_tma_kernel
-    # (WGMMA=off) and the cp.async wide kernel.
-    (BENCH_ROWS[2], [{}, {"WGMMA": "16,6"}, {"WGMMA": "32,3,r"}, {"WGMMA": "off"},
-                     {"WGMMA": "off", "WIDE_TMA": "off"}]),
+    (BENCH_ROWS[2], [{}, {"WIDE_TMA": "off"}]),
     # fp32 D512: decode_wide_f32_kernel (default) vs decode_simt_kernel.
     (BENCH_ROWS[7], [{}, {"WIDE": "off"}]),
     # D256: decode_tma_kernel (default W4 S3) variants vs decode_tc_kernel (TMA=off).
@@ -510,13 +504,11 @@ SWEEP = [
                      {"COMBINE": "kernel"}, {"TMA": "off"}]),
     (("B16 H32/KV8 Lk4096 D256", "bf16", 16, 32, 8, 4096, 256),
      [{}, {"TMA": "4,2"}, {"TMA": "6,2"}, {"TMA": "off"}]),
-    # D512 fp16 Lk1024 (fixed costs dominate): the wgmma variants; fewer, longer splits
-    # (default ~32).
-    (BENCH_ROWS[3], [{}, {"WGMMA": "16,6"}, {"WGMMA": "off"}, {"SPLITS": "24"},
-                     {"SPLITS": "16"}, {"SPLITS": "8"}]),
+    # D512 fp16 Lk1024 (fixed costs dominate): fewer, longer splits (default ~32).
+    (BENCH_ROWS[3], [{}, {"SPLITS": "24"}, {"SPLITS": "16"}, {"SPLITS": "8"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
-SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "WGMMA", "TMA", "TMA_L2",
+SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",
                "MIN_SPLIT_KB")
 
 

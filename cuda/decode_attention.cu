@@ -54,7 +54,6 @@ struct DeviceFacts {
   int sms = 0;
   int cc_major = 0;
   size_t max_smem_optin = 0;
-  bool wgmma = false;  // decode_wgmma_kernel's sm_90a image runs here (H100 / H200)
 };
 std::mutex g_mu;
 std::map<int, DeviceFacts> g_devices;
@@ -78,7 +77,6 @@ cudaError_t device_facts(int device, DeviceFacts* out) {
   e = cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
   f.max_smem_optin = static_cast<size_t>(v);
-  f.wgmma = f.cc_major == 9 && decode_wgmma_available();  // (the current device: make_plan's)
   g_devices[device] = f;
   *out = f;
   return cudaSuccess;
@@ -234,7 +232,6 @@ struct KnobRequest {
   bool tma_off = false;       // JAX_SDPA_CUDA_DECODE_TMA=off
   bool wide_tma_off = false;  // JAX_SDPA_CUDA_DECODE_WIDE_TMA=off
   bool wide_off = false;      // JAX_SDPA_CUDA_DECODE_WIDE=off
-  bool wgmma_off = false;     // JAX_SDPA_CUDA_DECODE_WGMMA=off (or 0)
 };
 KnobRequest knob_request() {
   KnobRequest r;
@@ -265,17 +262,6 @@ KnobRequest knob_request() {
     if (shape(v, 3, true)) r.want.wide = r.want.tma = true;
     r.wide_tma_off = std::strcmp(v, "off") == 0;
   }
-  if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_WGMMA")) {
-    // "KS,S" or "KS,S,r": S stages of KS keys (r: Q in registers).
-    int keys = 0, stages = 0;
-    char q = 0;
-    const int n = std::sscanf(v, "%d,%d,%c", &keys, &stages, &q);
-    if (n >= 2 && keys > 0 && keys % 16 == 0 && stages > 0) {
-      r.want = KernelVariant{4, stages, r.want.prefetch, true, true, keys / 16};
-      r.want.wgmma = n == 3 && q == 'r' ? 2 : 1;
-    }
-    r.wgmma_off = std::strcmp(v, "off") == 0 || std::strcmp(v, "0") == 0;
-  }
   return r;
 }
 
@@ -288,11 +274,10 @@ KnobRequest knob_request() {
 //   where cuDNN took 113.2 (results/gpu_decode_crossover_20261130T1522.json;
 //   decode_tc_kernel was within 1.06x of cuDNN there, _T1344): so not there.
 // - decode_tma_kernel at D = Dv = 256, W4 S3 (below).
-// - decode_wgmma_kernel at D = Dv = 512 where its sm_90a image runs (wgmma: H100 / H200),
-//   3 stages of 32 keys (cuda/decode_wgmma.cu); else decode_wide_tma_kernel, NW4 S6 KT2
-//   (results/gpu_decode_sweep_20261130T1702.json).
+// - decode_wide_tma_kernel at D = Dv = 512, NW4 S6 KT2 (results/
+//   gpu_decode_sweep_20261130T1702.json).
 bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const KnobRequest& req,
-                 bool wgmma, KernelVariant* v) {
+                 KernelVariant* v) {
   if (rb != 8 || p.dtype == DType::kF32 || p.head_dim != p.head_dim_v) return false;
   if (p.head_dim == 128 && !req.tma_off) {
     v->tma = true;
@@ -310,11 +295,6 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
     v->warps = 4;
     v->stages = 3;
     v->prefetch = 0;
-    return true;
-  }
-  if (p.head_dim == 512 && wgmma && !req.wgmma_off) {
-    *v = KernelVariant{4, 3, 0, true, true, 2};
-    v->wgmma = 1;
     return true;
   }
   if (p.head_dim == 512 && !req.wide_tma_off) {
@@ -443,13 +423,8 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // K / V strides its tensor maps can describe (a trial encode with the kernel's own
   // boxes); elsewhere the plain default.
   KernelVariant dflt;
-  const int64_t units0 = p.batch * p.heads_kv * ((R + rb - 1) / rb);
-  // A wgmma variant asked for where it can't run (no sm_90a image; dims, dtype or rows
-  // a block it is not built for): the default.
-  if (want.wgmma && !(f.wgmma && rb == 8 && p.dtype != DType::kF32 && p.head_dim == 512 &&
-                      p.head_dim_v == 512))
-    want = default_request();
-  if (want == default_request() && tma_default(p, rb, units0, f.sms, req, f.wgmma, &dflt))
+  if (want == default_request() &&
+      tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req, &dflt))
     want = dflt;
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
@@ -509,10 +484,8 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
   // At least one tile per warp (the wide kernel's warps share each tile: two tiles).
   const int64_t step_keys = k.variant.wide ? 2 * kTileKeys : kTileKeys * k.variant.warps;
-  // The key step a split's range is a multiple of (the device's split_range<GRAN>):
-  // decode_wgmma_kernel's splits are whole stages.
-  const int64_t gran = k.variant.wgmma ? kTileKeys * k.variant.step_tiles
-                                       : (k.variant.tma && !k.variant.wide ? step_keys : kTileKeys);
+  // The key step a split's range is a multiple of (the device's split_range<GRAN>).
+  const int64_t gran = k.variant.tma && !k.variant.wide ? step_keys : kTileKeys;
   int64_t min_keys = std::max<int64_t>(step_keys, (min_split_bytes + key_bytes - 1) / key_bytes);
   min_keys = (min_keys + 15) / 16 * 16;
   int n = force_splits > 0
@@ -572,14 +545,13 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%s%s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
+                  "dtype%d -> %s%s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
                   "smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
                   static_cast<long long>(p.heads_kv), static_cast<long long>(p.len_q),
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
-                  k.variant.wgmma ? (k.variant.wgmma == 2 ? "wgmma(q regs) " : "wgmma ") : "",
                   k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "",
                   k.variant.cluster ? "cluster " : "",
                   k.variant.warps,

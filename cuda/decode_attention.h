@@ -55,13 +55,9 @@ struct KernelVariant {
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
   int step_tiles = 0;         // decode_wide_tma_kernel (wide && tma): 16-key tiles a step
   bool cluster = false;       // decode_tma_kernel: the splits of a unit merge in a cluster
-  int wgmma = 0;              // decode_wgmma_kernel (sm_90a; also wide && tma, warps 4, S
-                              // stages of 16 step_tiles keys): 1 Q in shared memory, 2 Q in
-                              // registers
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster &&
-           wgmma == o.wgmma;
+           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster;
   }
 };
 
@@ -108,11 +104,8 @@ std::string unsupported_reason(const SdpaParams& p);
 //                                     keys; off: never
 //   JAX_SDPA_CUDA_DECODE_TMA_L2=n     its tensor maps' L2 fetch bytes (0, 64, 128, 256)
 //   JAX_SDPA_CUDA_DECODE_WIDE_TMA=NW,S,KT|off  decode_wide_tma_kernel (sm_90+, 16-bit
-//                                     D = Dv = 512; the default there without wgmma): NW
+//                                     D = Dv = 512; the default there; D256 variants): NW
 //                                     consumer warps, S stages of 16 keys, KT stages a step
-//   JAX_SDPA_CUDA_DECODE_WGMMA=KS,S[,r]|off  decode_wgmma_kernel (sm_90a: H100 / H200,
-//                                     16-bit D = Dv = 512; the default there, 32,3): S
-//                                     stages of KS keys; r: Q in registers; off: never
 //   JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB=k  least K+V bytes per split (heuristic)
 //   JAX_SDPA_CUDA_DECODE_VERBOSE=1    print each new plan to stderr
 // Only device-attribute / occupancy queries: nothing synchronous, no allocation

@@ -13,7 +13,6 @@
 #include "decode_wide.cuh"
 #include "decode_wide_f32.cuh"
 #include "decode_wide_tma.cuh"
-#include "decode_wgmma.h"
 
 namespace jax_sdpa {
 namespace cuda_decode {
@@ -249,24 +248,6 @@ KernelInfo wide_tma_select(int nw, int s, int kt) {
   return KernelInfo{};
 }
 
-// decode_wgmma_kernel (cuda/decode_wgmma.cu, sm_90a): want.stages stages of 16
-// want.step_tiles keys, Q in registers when want.wgmma == 2. Null where not built (the
-// kernel itself lives in the sm_90a object; its split partials go to this dtype's
-// combine_kernel).
-template <typename T>
-KernelInfo wgmma_info(const KernelVariant& want) {
-  const WgmmaDecodeKernel w = decode_wgmma_kernel(std::is_same_v<T, __nv_bfloat16>,
-                                                  16 * want.step_tiles, want.stages,
-                                                  want.wgmma == 2);
-  if (w.func == nullptr) return KernelInfo{};
-  KernelVariant v{4, want.stages, 0, true, true, w.keys / 16};
-  v.wgmma = want.wgmma == 2 ? 2 : 1;
-  KernelInfo k = describe<T, 512>(w.func, w.launch, w.threads, w.smem, true, v);
-  k.tma_box_keys = w.keys;  // one box a 64-wide chunk of a stage
-  k.tma_chunk_boxes = true;
-  return k;
-}
-
 template <typename T, int D, int DV, int NW, int S, int PF = kTcPrefetch>
 KernelInfo wide_info() {
   using Cfg = WideConfig<T, D, DV, NW, S>;
@@ -294,13 +275,7 @@ template <typename T, int D, int DV, int NT>
 KernelInfo tc_select(const KernelVariant& want) {
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
-  if (want.wgmma) {  // a wgmma variant (16-bit D = Dv = 512): where none is built, the default
-    if constexpr (D == 512 && DV == 512 && NT == 1) {
-      KernelInfo k = wgmma_info<T>(want);
-      if (k.func != nullptr) return k;
-    }
-    w = s = 0;
-  } else if (want.tma && want.wide) {  // (NW, S) name a wide TMA variant: else the default
+  if (want.tma && want.wide) {  // (NW, S) name a wide TMA variant: else the default
     if constexpr (NT == 1) {
       KernelInfo k = wide_tma_select<T, D, DV>(w, s, want.step_tiles);
       if (k.func != nullptr) return k;

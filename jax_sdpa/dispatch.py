@@ -219,21 +219,9 @@ def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
         return _ok("our decode kernel (split-K over the kv cache; tensor cores, K/V fed by TMA "
                    "on sm_90+, cuda/decode_tma.cuh)")
     if dims == (512, 512):
-        if _wgmma_decode_runs():
-            return _ok("our decode kernel (split-K over the kv cache; Hopper warpgroup MMA, K/V "
-                       "fed by TMA, cuda/decode_wgmma.cu)")
         return _ok("our decode kernel (split-K over the kv cache; tensor cores, the warps split "
                    "the head dims, K/V fed by TMA on sm_90+, cuda/decode_wide_tma.cuh)")
     return _ok("our decode kernel (split-K over the kv cache; tensor cores)")
-
-
-def _wgmma_decode_runs() -> bool:
-    """Whether the 16-bit D = Dv = 512 decode runs decode_wgmma_kernel (cuda/decode_wgmma.cu,
-    sm_90a code only: compute capability 9.0, H100 / H200) rather than decode_wide_tma_kernel:
-    JAX_SDPA_CUDA_DECODE_WGMMA=off (or 0) turns it off. (The host falls back on its own where
-    the K / V strides don't map onto its tensor maps.)"""
-    return (_cudnn_facts()[1] == (9, 0)
-            and os.environ.get("JAX_SDPA_CUDA_DECODE_WGMMA", "") not in ("off", "0"))
 
 
 # The decode kernel's FFI target (forward only) and the flash kernels' targets.
