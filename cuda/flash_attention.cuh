@@ -195,6 +195,26 @@ __device__ __forceinline__ bool tile_all_visible(const FwdArgs& a, int q0, int b
          (a.wl < 0 || static_cast<int64_t>(kb) - (q0 + bm - 1 + offset) >= -a.wl);
 }
 
+// The kBr-row query tiles a backward key block [k0, k0 + kvalid) must visit: those holding
+// a query i whose band reaches the block, i in [j - offset - wr, j - offset + wl] for some
+// key j of it. n_qt = 0 when none does (or the block has no keys).
+struct QueryTiles {
+  int qb_lo, n_qt;  // first tile's row, tile count
+};
+template <int kBr>
+__device__ __forceinline__ QueryTiles band_query_tiles(const FwdArgs& f, int k0, int kvalid,
+                                                       int qlen, int64_t offset) {
+  int64_t i_lo = 0, i_hi = qlen;
+  if (f.wr >= 0 && k0 - offset - f.wr > i_lo) i_lo = k0 - offset - f.wr;
+  if (f.wl >= 0 && k0 + kvalid - offset + f.wl < i_hi) i_hi = k0 + kvalid - offset + f.wl;
+  QueryTiles qt{0, 0};
+  if (kvalid > 0 && i_hi > i_lo) {
+    qt.qb_lo = static_cast<int>((i_lo / kBr) * kBr);
+    qt.n_qt = static_cast<int>((i_hi - qt.qb_lo + kBr - 1) / kBr);
+  }
+  return qt;
+}
+
 // Score x (scaled, base 2) of query row i and key j, or -inf where the row may not see
 // the key (lengths, band); the mask added (log2e-scaled) or applied.
 __device__ __forceinline__ float visible_score(const FwdArgs& a, int b, int h, int i, int j,

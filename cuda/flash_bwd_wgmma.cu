@@ -152,16 +152,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
   const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
   const int kvalid = max(0, min(kBc, kvlen - k0));
 
-  // Queries whose band reaches keys [k0, k0 + kvalid): i in [j - offset - wr, j - offset + wl].
-  int64_t i_lo = 0, i_hi = qlen;
-  if (f.wr >= 0 && k0 - offset - f.wr > i_lo) i_lo = k0 - offset - f.wr;
-  if (f.wl >= 0 && k0 + kvalid - offset + f.wl < i_hi) i_hi = k0 + kvalid - offset + f.wl;
-  int n_qt = 0;
-  int qb_lo = 0;
-  if (kvalid > 0 && i_hi > i_lo) {
-    qb_lo = static_cast<int>((i_lo / kBr) * kBr);
-    n_qt = static_cast<int>((i_hi - qb_lo + kBr - 1) / kBr);
-  }
+  const QueryTiles band = band_query_tiles<kBr>(f, k0, kvalid, qlen, offset);
+  const int qb_lo = band.qb_lo, n_qt = band.n_qt;
   const int n_iter = f.G * n_qt;
 
   // wg0: dV^T (chunk m: dv 64 m + row, key = column); wg1: dK^T (d 64 m + row, key).
