@@ -502,11 +502,10 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 # (Earlier sweeps' LOCKSTEP, 129, 130, TMA MODE 1 / 2 and PDL were experiments since
 # removed: docs/cuda_decode.md.)
 SWEEP = [
-    # The split-K merge behind the TMA kernels: in a cluster (default at 2..8 splits) or
-    # in the kernel's grid (default above) vs combine_kernel.
+    # The split-K merge behind decode_tma_kernel: in a cluster (default) vs combine_kernel.
     (BENCH_ROWS[0], [{}, {"COMBINE": "kernel"}]),
     (BENCH_ROWS[1], [{}, {"COMBINE": "kernel"}]),
-    (BENCH_ROWS[2], [{}, {"COMBINE": "kernel"}, {"WIDE_TMA": "off"}]),
+    (BENCH_ROWS[2], [{}, {"WIDE_TMA": "off"}]),
     # fp32 D512: decode_wide_f32_kernel (default) vs decode_simt_kernel.
     (BENCH_ROWS[7], [{}, {"WIDE": "off"}]),
     # D256: decode_tma_kernel (default W4 S3) variants vs decode_tc_kernel (TMA=off).
@@ -515,10 +514,7 @@ SWEEP = [
     (("B16 H32/KV8 Lk4096 D256", "bf16", 16, 32, 8, 4096, 256),
      [{}, {"TMA": "4,2"}, {"TMA": "6,2"}, {"TMA": "off"}]),
     # D512 fp16 Lk1024 (fixed costs dominate): fewer, longer splits (default ~32).
-    (BENCH_ROWS[3], [{}, {"COMBINE": "kernel"}, {"SPLITS": "24"}]),
-    # The grid merge at 2 splits (64 columns a block) and at 16.
-    (("B8 H32/KV8 Lk1024 D512", "bf16", 8, 32, 8, 1024, 512), [{}, {"COMBINE": "kernel"}]),
-    (("B1 H32/KV8 Lk2048 D512", "bf16", 1, 32, 8, 2048, 512), [{}, {"COMBINE": "kernel"}]),
+    (BENCH_ROWS[3], [{}, {"SPLITS": "24"}, {"SPLITS": "16"}, {"SPLITS": "8"}]),
 ]
 KNOB = "JAX_SDPA_CUDA_DECODE_"
 SWEEP_KNOBS = ("CFG", "SPLITS", "COMBINE", "L2", "WIDE", "WIDE_TMA", "TMA", "TMA_L2",

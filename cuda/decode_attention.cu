@@ -48,8 +48,7 @@ int env_int(const char* name, int fallback) {
 }
 
 // Device facts, read once per device (attribute queries only: no allocation).
-constexpr int kMaxSplits = 256;  // fused combine / grid merge: per-split weights live in smem
-static_assert(kMaxSplits <= kGridMergeMaxSplits, "grid_merge's smem holds kMaxSplits weights");
+constexpr int kMaxSplits = 256;  // fused combine: per-split weights live in smem
 
 struct DeviceFacts {
   int sms = 0;
@@ -405,12 +404,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   if (e != cudaSuccess) return e;
   // Per-call overrides (docs/cuda_decode.md).
   const int force_splits = env_int("JAX_SDPA_CUDA_DECODE_SPLITS", 0);
-  enum class Combine { kAuto, kKernel, kFused, kCluster, kGrid } combine = Combine::kAuto;
+  enum class Combine { kAuto, kKernel, kFused, kCluster } combine = Combine::kAuto;
   if (const char* v = std::getenv("JAX_SDPA_CUDA_DECODE_COMBINE")) {
     if (std::strcmp(v, "kernel") == 0) combine = Combine::kKernel;
     else if (std::strcmp(v, "fused") == 0) combine = Combine::kFused;
     else if (std::strcmp(v, "cluster") == 0) combine = Combine::kCluster;
-    else if (std::strcmp(v, "grid") == 0) combine = Combine::kGrid;
   }
   const KnobRequest req = knob_request();
   KernelVariant want = req.want;
@@ -524,23 +522,6 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
       plan->kernel = k.variant;
     }
   }
-  // Else, behind the TMA kernels: the splits merge in the kernel's own grid (grid_merge,
-  // a cooperative launch; no combine launch), where every block of the grid is resident.
-  if (k.variant.tma && !k.variant.cluster && n >= 2 &&
-      (combine == Combine::kAuto || combine == Combine::kGrid)) {
-    KernelVariant gv = k.variant;
-    gv.grid_merge = true;
-    const KernelInfo gk = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, gv);
-    if (gk.func != nullptr && gk.variant.grid_merge) {
-      int gocc = 0;
-      e = occupancy(gk, device, &gocc);
-      if (e != cudaSuccess) return e;
-      if (units * n <= static_cast<int64_t>(gocc) * f.sms) {
-        k = gk;
-        plan->kernel = k.variant;
-      }
-    }
-  }
   // Auto combine: the last split block of a unit merges n partials of its valid
   // rows with one float4 per thread and split; past ~48 loads per thread (D512
   // at small batch: 33 splits x 8 rows x 128 float4 / 96 threads = 363) that
@@ -552,7 +533,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // The fused combine's counters follow the partials in the workspace; when they
   // do not fit, the separate combine kernel (no counters) merges instead. The wide
   // kernel has no fused merge.
-  const bool fused_ok = !k.variant.wide && !k.variant.cluster && !k.variant.grid_merge && n > 1 &&
+  const bool fused_ok = !k.variant.wide && !k.variant.cluster && n > 1 &&
                         workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
   if (combine == Combine::kFused) fused = fused_ok;
@@ -564,7 +545,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     char line[384];
     std::snprintf(line, sizeof(line),
                   "jax_sdpa cuda decode plan: B%lld Hq%lld Hk%lld Lq%lld Lk%lld D%lld/%lld "
-                  "dtype%d -> %s%s%s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
+                  "dtype%d -> %s%s%sW%d S%d KT%d L2 %d rows/block %d chunks %d splits %d occ %d/SM "
                   "smem %zu "
                   "combine %s workspace %zu/%zu\n",
                   static_cast<long long>(p.batch), static_cast<long long>(p.heads_q),
@@ -572,14 +553,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
                   static_cast<long long>(p.len_kv), static_cast<long long>(p.head_dim),
                   static_cast<long long>(p.head_dim_v), static_cast<int>(p.dtype),
                   k.variant.wide ? "wide " : "", k.variant.tma ? "tma " : "",
-                  k.variant.cluster ? "cluster " : "", k.variant.grid_merge ? "grid-merge " : "",
+                  k.variant.cluster ? "cluster " : "",
                   k.variant.warps,
                   k.variant.stages, k.variant.step_tiles, k.variant.prefetch, rb, plan->row_chunks,
                   n, occ, k.smem,
-                  n == 1 ? "none"
-                         : (k.variant.cluster       ? "cluster"
-                            : k.variant.grid_merge ? "grid"
-                            : (fused ? "fused" : "kernel")),
+                  n == 1 ? "none" : (k.variant.cluster ? "cluster" : (fused ? "fused" : "kernel")),
                   plan->workspace.bytes,
                   workspace_bytes);
     static std::mutex mu;
@@ -764,24 +742,11 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(plan.num_splits));
   cudaError_t e = cudaSuccess;
   bool ran_tma = k.tma_box_keys > 0;  // false once the cp.async fallback below runs
-  bool merged_in_grid = k.variant.grid_merge;  // false once a fallback below runs
   if (k.tma_box_keys > 0) {
     TmaMaps maps;
     e = cached_kv_maps(a, k, p.dtype == DType::kBF16, static_cast<int>(p.head_dim),
                        static_cast<int>(p.head_dim_v), plan.tma_l2, &maps);
     if (e == cudaSuccess) e = k.launch(a, &maps, grid, k.threads, k.smem, stream);
-    if (e == cudaErrorCooperativeLaunchTooLarge && k.variant.grid_merge) {
-      // Not every block resident after all (the plan's occupancy check held, but e.g. an
-      // MPS limit on SMs does not): the same kernel without the grid merge (the plan set
-      // its smem limit), then combine_kernel.
-      (void)cudaGetLastError();
-      KernelVariant plain = k.variant;
-      plain.grid_merge = false;
-      k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block, plain);
-      if (k.func == nullptr) return cudaErrorInvalidValue;
-      e = k.launch(a, &maps, grid, k.threads, k.smem, stream);
-      merged_in_grid = false;
-    }
   } else {
     e = k.launch(a, nullptr, grid, k.threads, k.smem, stream);
   }
@@ -793,11 +758,9 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
     if (tc.func == nullptr) return cudaErrorInvalidValue;
     e = tc.launch(a, nullptr, grid, tc.threads, tc.smem, stream);
     ran_tma = false;
-    merged_in_grid = false;
   }
   if (e != cudaSuccess) return e;
-  if (plan.num_splits > 1 && !plan.fused_combine && !(ran_tma && plan.kernel.cluster) &&
-      !merged_in_grid) {
+  if (plan.num_splits > 1 && !plan.fused_combine && !(ran_tma && plan.kernel.cluster)) {
     // kCombineLanes threads per (row, 4 dv) item, 128 threads a block.
     const int64_t threads = rows * (p.head_dim_v / 4) * kCombineLanes;
     k.combine(a, dim3(static_cast<unsigned>((threads + 127) / 128)), stream);

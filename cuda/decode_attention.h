@@ -55,11 +55,9 @@ struct KernelVariant {
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
   int step_tiles = 0;         // decode_wide_tma_kernel (wide && tma): 16-key tiles a step
   bool cluster = false;       // decode_tma_kernel: the splits of a unit merge in a cluster
-  bool grid_merge = false;    // TMA kernels: the splits merge in the kernel's grid (grid_merge)
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster &&
-           grid_merge == o.grid_merge;
+           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster;
   }
 };
 
@@ -89,13 +87,11 @@ std::string unsupported_reason(const SdpaParams& p);
 // the device and the environment overrides below (a changed setting makes a new plan, so
 // one process can time several settings, one executable each; docs/cuda_decode.md):
 //   JAX_SDPA_CUDA_DECODE_SPLITS=n     split count (0 / unset: the heuristic)
-//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel|cluster|grid   how split partials merge
+//   JAX_SDPA_CUDA_DECODE_COMBINE=auto|fused|kernel|cluster   how split partials merge
 //                                     (auto: in a thread-block cluster behind
 //                                     decode_tma_kernel at 2..8 splits where the clusters fit
-//                                     one wave (cluster: up to 16); else, behind the TMA
-//                                     kernels, in the kernel's own grid where all its blocks
-//                                     are resident (grid); else fused when the last block's
-//                                     merge is short, else a kernel)
+//                                     one wave (cluster: up to 16); else fused when the last block's merge is
+//                                     short, else a kernel)
 //   JAX_SDPA_CUDA_DECODE_CFG=W,S      tensor-core warps x ring stages, where built
 //   JAX_SDPA_CUDA_DECODE_L2=0|128|256|132  L2 mode of the K/V copies, where built (unset:
 //                                     128; 132: 128 with the lines marked evict-first)

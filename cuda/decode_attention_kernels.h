@@ -150,36 +150,16 @@ inline cudaLaunchConfig_t cluster_launch_config(dim3 grid, int threads, size_t s
   return cfg;
 }
 
-// A grid-merge kernel's launch (grid_merge): cooperative, so that every block is
-// resident at once (the launch fails, cudaErrorCooperativeLaunchTooLarge, rather than
-// deadlock at the grid barrier if they can't be).
-inline cudaLaunchConfig_t cooperative_launch_config(dim3 grid, int threads, size_t smem,
-                                                    cudaStream_t st, cudaLaunchAttribute* attr) {
-  attr->id = cudaLaunchAttributeCooperative;
-  attr->val.cooperative = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
 // A TMA kernel's launch with the call's maps (launch() encodes them, or reuses the
 // last encoding of the same pointers and shapes). CM: launched as clusters
-// (cluster_launch_config); GM: cooperatively (cooperative_launch_config).
-template <auto Kernel, bool CM = false, bool GM = false>
+// (cluster_launch_config).
+template <auto Kernel, bool CM = false>
 cudaError_t launch_with_maps(const Args& a, const TmaMaps* maps, dim3 grid, int threads,
                              size_t smem, cudaStream_t st) {
-  static_assert(!(CM && GM), "one split merge: cluster or grid");
   if (maps == nullptr) return cudaErrorInvalidValue;
-  if constexpr (CM || GM) {
+  if constexpr (CM) {
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg =
-        CM ? cluster_launch_config(grid, threads, smem, st, &attr)
-           : cooperative_launch_config(grid, threads, smem, st, &attr);
+    const cudaLaunchConfig_t cfg = cluster_launch_config(grid, threads, smem, st, &attr);
     return cudaLaunchKernelEx(&cfg, Kernel, a, *maps);
   } else {
     Kernel<<<grid, threads, smem, st>>>(a, *maps);
@@ -187,17 +167,15 @@ cudaError_t launch_with_maps(const Args& a, const TmaMaps* maps, dim3 grid, int 
   }
 }
 
-template <typename T, int D, int DV, int NT, int W, int S, bool CM = false, bool GM = false>
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
 KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S, CM>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
-  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S, CM, GM>;
+  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S, CM>;
   KernelVariant v{W, S, 0, false, true};
   v.cluster = CM;
-  v.grid_merge = GM;
   KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel),
-                                 &launch_with_maps<kernel, CM, GM>, Cfg::kThreads, Cfg::kSmem,
-                                 true, v);
+                                 &launch_with_maps<kernel, CM>, Cfg::kThreads, Cfg::kSmem, true, v);
   k.tma_box_keys = Cfg::kKeys;          // one box a stage: all of D ...
   k.tma_chunk_boxes = Cfg::kChunked;  // ... or one a 64-wide chunk (D256)
   return k;
@@ -208,20 +186,9 @@ KernelInfo tma_info() {
 // 132/1, W8 S3 197/1, W2 S4 66/3). D = Dv = 256 (a stage is twice the bytes): W4 S2
 // 137/1, W4 S3 201/1, W2 S4 137/1, W2 S6 201/1, W6 S2 201/1. Null where not built.
 // cluster: the cluster-merge variant (built for the defaults: D128 W8 S2 and W4 S2, D256
-// W4 S3 and W4 S2); grid: the grid-merge variant (the defaults: D128 W8 S2 and W4 S2,
-// D256 W4 S3; 8 rows a block).
+// W4 S3 and W4 S2).
 template <typename T, int D, int DV, int NT>
-KernelInfo tma_select(int w, int s, bool cluster, bool grid) {
-  if (grid && !cluster) {
-    if constexpr (NT == 1 && D == 256 && DV == 256) {
-      if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3, false, true>();
-    }
-    if constexpr (NT == 1 && D == 128 && DV == 128) {
-      if (w == 8 && s == 2) return tma_info<T, D, DV, NT, 8, 2, false, true>();
-      if (w == 4 && s == 2) return tma_info<T, D, DV, NT, 4, 2, false, true>();
-    }
-    return KernelInfo{};
-  }
+KernelInfo tma_select(int w, int s, bool cluster) {
   if constexpr (D == 256 && DV == 256 && NT == 1) {
     if (cluster) {
       if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3, true>();
@@ -251,16 +218,14 @@ KernelInfo tma_select(int w, int s, bool cluster, bool grid) {
   return KernelInfo{};
 }
 
-template <typename T, int D, int DV, int NW, int S, int KT, bool GM = false>
+template <typename T, int D, int DV, int NW, int S, int KT>
 KernelInfo wide_tma_info() {
   using Cfg = WideTmaConfig<T, D, DV, NW, S, KT>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_wide_tma_kernel: too much shared memory");
-  constexpr auto kernel = &decode_wide_tma_kernel<T, D, DV, NW, S, KT, GM>;
-  KernelVariant v{NW, S, 0, true, true, KT};
-  v.grid_merge = GM;
-  KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel),
-                                 &launch_with_maps<kernel, false, GM>, Cfg::kThreads, Cfg::kSmem,
-                                 true, v);
+  constexpr auto kernel = &decode_wide_tma_kernel<T, D, DV, NW, S, KT>;
+  KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel), &launch_with_maps<kernel>,
+                                 Cfg::kThreads, Cfg::kSmem, true,
+                                 KernelVariant{NW, S, 0, true, true, KT});
   k.tma_box_keys = kTileKeys;  // one box a 64-wide chunk of a stage
   k.tma_chunk_boxes = true;
   return k;
@@ -270,14 +235,10 @@ KernelInfo wide_tma_info() {
 // consumer step (KB of smem / blocks per SM: D512 NW4 S6 198-213/1, NW4 S4 KT2 141/1,
 // NW8 S6 KT2 213/1). Null where not built. (D256 NW4 S8 KT2 / KT4 lost to
 // decode_tc_kernel: B1 H32/KV8 Lk8192 1909 / 1910 vs 2202 GB/s, results/
-// gpu_decode_sweep_20261130T1655.json.) grid: the grid-merge variant (the default, 4,6,2).
+// gpu_decode_sweep_20261130T1655.json.)
 template <typename T, int D, int DV>
-KernelInfo wide_tma_select(int nw, int s, int kt, bool grid) {
+KernelInfo wide_tma_select(int nw, int s, int kt) {
   if constexpr (D == DV && D == 512) {
-    if (grid) {
-      if (nw == 4 && s == 6 && kt == 2) return wide_tma_info<T, D, DV, 4, 6, 2, true>();
-      return KernelInfo{};
-    }
     if (nw == 4 && s == 6 && kt == 1) return wide_tma_info<T, D, DV, 4, 6, 1>();
     if (nw == 4 && s == 6 && kt == 2) return wide_tma_info<T, D, DV, 4, 6, 2>();
     if (nw == 4 && s == 6 && kt == 3) return wide_tma_info<T, D, DV, 4, 6, 3>();
@@ -316,12 +277,12 @@ KernelInfo tc_select(const KernelVariant& want) {
   const int pf = want.prefetch;
   if (want.tma && want.wide) {  // (NW, S) name a wide TMA variant: else the default
     if constexpr (NT == 1) {
-      KernelInfo k = wide_tma_select<T, D, DV>(w, s, want.step_tiles, want.grid_merge);
+      KernelInfo k = wide_tma_select<T, D, DV>(w, s, want.step_tiles);
       if (k.func != nullptr) return k;
     }
     w = s = 0;
   } else if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
-    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.cluster, want.grid_merge);
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.cluster);
     if (k.func != nullptr) return k;
     w = s = 0;
   } else if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default

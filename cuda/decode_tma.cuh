@@ -29,7 +29,6 @@
 #include <cooperative_groups.h>
 
 #include "cuda/decode_attention.cuh"
-#include "cuda/decode_grid_merge.cuh"
 #include "cuda/tma_helpers.cuh"
 
 namespace jax_sdpa {
@@ -139,8 +138,6 @@ struct TmaConfig {
   static constexpr size_t kQBytes = 16 * D * sizeof(T);
   static constexpr size_t kBarOff = kQOff + kQBytes;
   static constexpr size_t kSmem = kBarOff + 2 * S * sizeof(uint64_t) + 1024;  // + alignment slack
-  static_assert(kRingBytes >= grid_merge_smem_floats(16, kGridMergeMaxSplits) * 4,
-                "grid_merge's weights live in the ring");
 };
 
 // Byte offset of 16-byte chunk c of row `row` in a swizzled tile of LPR 128-byte lines a row.
@@ -277,8 +274,7 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
   cluster.sync();  // no block leaves while the others still read its partial
 }
 
-// GM: the splits merge in the kernel's own grid (grid_merge; a cooperative launch).
-template <typename T, int D, int DV, int NT, int W, int S, bool CM = false, bool GM = false>
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     decode_tma_kernel(const Args a, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -452,7 +448,6 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
                                 qlen);
   else
     block_finish<T, DV, W, 1>(a, red, RB, b, kvh, r0, split, qlen);
-  if constexpr (GM) grid_merge<T, DV>(a, red, RB, b, kvh, r0, split, qlen);
 #else
   __trap();  // sm_90+ only: the host never selects it below (decode_attention.cu)
 #endif

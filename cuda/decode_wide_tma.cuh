@@ -50,8 +50,6 @@ struct WideTmaConfig {
   static constexpr size_t kScoreBytes = 2 * NW * KT * 32 * sizeof(float4);
   static constexpr size_t kBarOff = kScoreOff + kScoreBytes;
   static constexpr size_t kSmem = kBarOff + 2 * S * sizeof(uint64_t) + 1024;  // + alignment
-  static_assert(S * kStageBytes >= grid_merge_smem_floats(kRows, kGridMergeMaxSplits) * 4,
-                "grid_merge's weights live in the ring");
 };
 
 // Named barrier 1 (0 is __syncthreads) over the first `threads` threads: the consumer warps.
@@ -63,9 +61,7 @@ __device__ __forceinline__ void consumer_barrier(int threads) {
 // step is one long dependent chain (mma, exchange, softmax, mma); KT independent tiles a
 // step share that latency (decode_wide_kernel, one tile a step, issued an instruction
 // every 4.9 cycles on the H200 and streamed at 57% of DRAM peak).
-// GM: the splits merge in the kernel's own grid (grid_merge; a cooperative launch), so
-// the producer warp stays for the grid barrier.
-template <typename T, int D, int DV, int NW, int S, int KT, bool GM = false>
+template <typename T, int D, int DV, int NW, int S, int KT>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     decode_wide_tma_kernel(const Args a, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -108,11 +104,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     // Producer: one thread; a stage is refilled once all NW consumers released it.
     if (lane == 0)
       produce_stages<S>(maps, full, empty, stage_bytes, 0, nst, kvh, b, ks0, kTileKeys, issue);
-    if constexpr (GM) {
-      __syncwarp();
-      grid_merge<T, DV>(a, reinterpret_cast<float*>(ring), RB, b, kvh, r0, split, qlen);
-    }
-    return;  // no block barrier below but grid_merge's: the consumers end on their own
+    return;  // no block barrier below: the consumers end on their own
   }
 
   // Consumer warp w: head-dim chunk tiles [w KC0, (w + 1) KC0) of K, dv chunk tiles
@@ -263,9 +255,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   // m-tile j's rows g / g + 8 are dv 8 vchunk + 2j / + 1 of the warp's c-th tile.
   wide_store<T, DV>(a, acc, m_run, l_run, b, kvh, r0, split, qlen, w == 0,
                     [&](int c, int j) { return (w * NVC + c) * 64 + 8 * vchunk + 2 * j; });
-  // (The producer warp calls it in its own branch above: the same block barriers.)
-  if constexpr (GM)
-    grid_merge<T, DV>(a, reinterpret_cast<float*>(ring), RB, b, kvh, r0, split, qlen);
 #else
   __trap();  // sm_90+ only: the host never selects it elsewhere (decode_attention.cu)
 #endif
