@@ -353,6 +353,9 @@ def supports(name: str, cfg: Config, direction: str, platform: str) -> Verdict:
 # Where cuDNN can't serve a 16-bit decode call (sinks, ...): ours from this many bytes of
 # K + V on (the measured rows, 134-537 MB, all won; small calls are xla's).
 CUDA_DECODE_MIN_KV_BYTES = 32 << 20
+# ... and at head dims > 256 (the wide kernels: 8 query rows a block) from this many, at up
+# to 8 query rows per kv head (docs/cuda_decode.md, eleventh session).
+CUDA_DECODE_WIDE_MIN_KV_BYTES = 64 << 20
 
 
 def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
@@ -368,10 +371,16 @@ def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
     (1.11-1.41x cuDNN at D192, 1.19-1.31x at D256 there), our XLA path below
     (B1 Lk2048: 11.3 / 10.7 us vs cuDNN 12.7 / 13.1, ours 19.7 / 13.6; T2010).
     Where cuDNN can't serve: XLA matched or beat ours on every fp32 row (1.0-1.36x, the
-    1.36x at D512 with decode_wide_f32_kernel) and at head dims > 256 (D512 B1: 1.1-1.45x
-    with decode_wide_tma_kernel, benchmarks/results/gpu_decode_bench_20261130T1848.json);
-    16-bit at D <= 256 ours matched or beat XLA (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64
-    1.04x) from CUDA_DECODE_MIN_KV_BYTES."""
+    1.36x at D512 with decode_wide_f32_kernel); 16-bit at D <= 256 ours matched or beat XLA
+    (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x) from CUDA_DECODE_MIN_KV_BYTES. 16-bit at
+    D512 (decode_wide_tma_kernel) the choice is between ours and our own XLA path (jax.nn's
+    xla, faster still on small calls, is not ours to pick): ours from
+    CUDA_DECODE_WIDE_MIN_KV_BYTES at up to 8 query rows per kv head (bf16 H32/KV8 plain
+    decode, 1.02-1.12x our XLA path from B1 Lk8192 / B8 Lk1024, 128 MiB, to B32 Lk8192, and
+    1.08x at 8 rows; B1 H32/KV4 Lk8192, 64 MiB, 1.07x; below 64 MiB mixed: B1 Lk2048 our
+    XLA path 1.13x, B1 Lk1024 ours 1.15x, B1 H32/KV4 Lk1024 fp16 our XLA path 1.17x; 16 and
+    32 rows per kv head re-read K/V per 8-row chunk: our XLA path 1.25x / 2.2x;
+    gpu_decode_crossover_20261201T0334.json, gpu_decode_bench_20261201T0333.json)."""
     rows = cfg.len_q * cfg.group
     dmax = max(cfg.head_dim, cfg.head_dim_v)
     kv_bytes = (cfg.batch * cfg.heads_kv * cfg.len_kv * (cfg.head_dim + cfg.head_dim_v)
@@ -381,8 +390,10 @@ def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
         if rows <= 4 and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (192, 256):
             return "cuda" if big else "xla"
         return "cuda" if 4 < rows <= 32 else None
-    if cfg.dtype == np.dtype(np.float32) or dmax > 256:
+    if cfg.dtype == np.dtype(np.float32):
         return None
+    if dmax > 256:
+        return "cuda" if rows <= 8 and kv_bytes >= CUDA_DECODE_WIDE_MIN_KV_BYTES else None
     return "cuda" if big else None
 
 

@@ -325,7 +325,15 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     # decode shapes: the decode kernel's crossover rule, never the flash kernels
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=64), "fwd", "xla"),  # fp32: xla was faster
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "xla"),
-    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=512), "fwd", "xla"),  # D > 256
+    # 16-bit D512: ours from CUDA_DECODE_WIDE_MIN_KV_BYTES at <= 8 rows per kv head, else
+    # our XLA path
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=512), "fwd", "cuda"),  # 1 GiB
+    (dict(dtype="bfloat16", b=1, hq=32, hk=4, lq=1, lk=8192, d=512), "fwd", "cuda"),  # 64 MiB
+    (dict(dtype="float16", b=1, hq=32, hk=4, lq=1, lk=1024, d=512), "fwd", "xla"),  # 8 MiB
+    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=2048, d=512), "fwd", "xla"),  # 32 MiB
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=2, lk=4096, d=512), "fwd", "cuda"),  # R=8
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=4, lk=4096, d=512), "fwd", "xla"),  # R=16
+    (dict(b=1, hq=32, hk=4, lq=1, lk=8192, d=512), "fwd", "xla"),  # fp32 D512: xla faster
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=40), "fwd", "xla"),
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=40), "fwd", "xla"),  # decode can't: not flash
     (dict(dtype="bfloat16", b=4, hq=32, hk=4, lq=1, lk=4096, d=128), "fwd", "cuda"),  # R=8
