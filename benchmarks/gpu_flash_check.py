@@ -361,7 +361,8 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None, api=False)
         q, k, v = (jax.random.normal(x, (B, H, L, D), dt) for x in (kq, kk, kv))
         flops = 4 * B * H * L * L * D / (2 if causal else 1)
         row = dict(row=name)
-        ours = jax.jit(lambda q, k, v: flash_fwd(q, k, v, wr=0 if causal else -1)[0])
+        wr = 0 if causal else -1  # causal: the band's right edge on the diagonal
+        ours = jax.jit(lambda q, k, v: flash_fwd(q, k, v, wr=wr)[0])
         try:
             t = median_time(ours, (q, k, v))
             row["ours_fwd_ms"] = t * 1e3
@@ -371,7 +372,6 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None, api=False)
             row["ours_fwd_error"] = str(e)[:300]
         if have_bwd:
             def fb(q, k, v):
-                wr = 0 if causal else -1
                 o, lse = flash_fwd(q, k, v, wr=wr)
                 return flash_bwd(q, k, v, o, lse, o, wr=wr)  # dout = out: any dense tensor
             fbj = jax.jit(fb)
@@ -385,7 +385,6 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None, api=False)
             # The backward alone (out and lse computed once): the forward's run-to-run
             # spread does not blur it.
             try:
-                wr = 0 if causal else -1
                 o, lse = jax.jit(lambda q, k, v: flash_fwd(q, k, v, wr=wr))(q, k, v)
                 bj = jax.jit(lambda q, k, v, o, lse: flash_bwd(q, k, v, o, lse, o, wr=wr))
                 t = median_time(bj, (q, k, v, o, lse))
