@@ -1,5 +1,5 @@
 """Our CUDA flash-attention prefill kernels (DRAFT, docs/cuda_flash.md) on the GPU:
-correctness matrix against a float64 numpy reference, then the issue-6 timing rows.
+correctness matrix against the float64 oracle (jax_sdpa.oracle), then the timing rows.
 
 Run on the H200 machine after building the package with the CUDA backend:
     python3 benchmarks/gpu_flash_check.py --out $OUT                  # TF32 fp32 + fp16/bf16
@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from numpy_reference import reference  # noqa: E402  (float64, head-major)
+from jax_sdpa import oracle, vjp  # noqa: E402  (the float64 oracle + tolerance policy)
+from jax_sdpa.config import StaticParams  # noqa: E402
 
 FWD = "jax_sdpa_cuda_flash_fwd"
 BWD = "jax_sdpa_cuda_flash_bwd"
@@ -93,22 +93,33 @@ def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qle
 
 
 # ---------------------------------------------------------------------------
-# float64 backward reference (the forward's is numpy_reference.reference)
+# the oracle (jax_sdpa.oracle) and the same-dtype XLA computation its policy compares with
 # ---------------------------------------------------------------------------
-def reference_bwd(q, k, v, out, dout, pr, scale):
-    """dq, dk, dv (float64, head-major) of docs/ffi_contract.md from the probabilities."""
-    q, k, v, out, dout = (np.asarray(x, np.float64) for x in (q, k, v, out, dout))
-    B, Hq, Lq, D = q.shape
-    Hk = k.shape[1]
-    G = Hq // Hk
-    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-    delta = (dout * out).sum(-1)
-    dp = np.einsum("bhid,bhjd->bhij", dout, vv)
-    ds = pr * (dp - delta[..., None])
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kk)
-    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q).reshape(B, Hk, G, -1, D).sum(2)
-    dv = np.einsum("bhij,bhid->bhjd", pr, dout).reshape(B, Hk, G, -1, v.shape[-1]).sum(2)
-    return dq, dk, dv
+def _oracle_kw(kw):
+    return dict(scale=kw["scale"], mask=kw.get("mask"), sinks=kw.get("sinks"),
+                q_lengths=kw.get("qlen"), kv_lengths=kw.get("kvlen"), window_left=kw["wl"],
+                window_right=kw["wr"], bottom_right=kw["bottom_right"])
+
+
+def xla_same_dtype(args, kw, dout, seq_major):
+    """(out, (dq, dk, dv)) of our XLA path in the inputs' dtype (head-major float64): the
+    error the tolerance policy allows twice of."""
+    params = StaticParams(scale=float(kw["scale"]), window_left=int(kw["wl"]),
+                          window_right=int(kw["wr"]), bottom_right=bool(kw["bottom_right"]),
+                          seq_major=seq_major, implementation="xla")
+    opt = [None if kw.get(n) is None else jnp.asarray(kw[n]) for n in ("mask", "sinks", "qlen",
+                                                                       "kvlen")]
+    if opt[0] is not None and opt[0].ndim < 4:
+        opt[0] = opt[0].reshape((1,) * (4 - opt[0].ndim) + opt[0].shape)
+
+    def f(q, k, v):
+        return vjp.attention(q, k, v, *opt, params)[0]
+
+    out, pullback = jax.vjp(f, *args)
+    grads = pullback(jnp.asarray(dout, args[0].dtype))
+    tr = (lambda x: np.swapaxes(x, 1, 2)) if seq_major else (lambda x: x)
+    f64 = lambda x: tr(np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64))  # noqa: E731
+    return f64(out), [f64(g) for g in grads]
 
 
 # ---------------------------------------------------------------------------
@@ -209,24 +220,24 @@ def make_inputs(c, rng):
     return (q, k, v), kw
 
 
-def _rel(a, b):
-    return float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())) if b.size else 0.0
-
-
 def run_check(seed=0, fp32_tol=None, with_bwd=False, only=(), fp32_grad_tol=None):
-    """The check over cases() (those whose name contains one of `only`, if given).
-    Grads are held to twice the output tolerance unless fp32_grad_tol is given."""
+    """The check over cases() (those whose name contains one of `only`, if given), judged by
+    jax_sdpa.oracle's tolerance policy (fp32_tol / fp32_grad_tol override its fp32 bounds)."""
     rng = np.random.default_rng(seed)
-    tol = {"fp32": fp32_tol or (2e-5 if HIGHEST else 2e-3), "fp16": 4e-3, "bf16": 2.5e-2}
-    grad_tol = {k: 2 * v for k, v in tol.items()}
-    if fp32_grad_tol:
-        grad_tol["fp32"] = fp32_grad_tol
+    names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+    def tolerance(dt, grad, xla_err):
+        if dt == "fp32" and (fp32_grad_tol if grad else fp32_tol):
+            return fp32_grad_tol if grad else fp32_tol
+        return oracle.tolerance(names[dt], "cuda", grad=grad, xla_error=xla_err,
+                                tf32=not HIGHEST)
+
     results, fails = [], 0
     for c in cases():
         if only and not any(o in c["name"] for o in only):
             continue
         (q, k, v), kw = make_inputs(c, rng)
-        ref_o, ref_l, ref_p = reference(q, k, v, want_p=True, **kw)
+        ref_o, ref_l = oracle.forward(q, k, v, **_oracle_kw(kw))
         dt = DTYPES[c["dt"]]
         sm = c.get("seq_major", False)
         tr = (lambda x: np.swapaxes(x, 1, 2)) if sm else (lambda x: x)
@@ -242,31 +253,38 @@ def run_check(seed=0, fp32_tol=None, with_bwd=False, only=(), fp32_grad_tol=None
             continue
         o = tr(np.asarray(o, np.float64))
         lse = np.asarray(lse, np.float64)
-        scale_o = max(1.0, float(np.abs(ref_o).max()))
-        err_o = float(np.abs(o - ref_o).max()) / scale_o if o.size else 0.0
+        err_o = oracle.max_rel_error(o, ref_o)
+        dout = np.asarray(jnp.asarray(rng.standard_normal(ref_o.shape), dt).astype(jnp.float32))
+        xla_o = xla_g = None
+        if c["dt"] != "fp32":
+            xla_o, xla_g = xla_same_dtype(args, kw, tr(dout), sm)
+        tol_o = tolerance(c["dt"], False, None if xla_o is None else
+                          oracle.max_rel_error(xla_o, ref_o))
         fin = np.isfinite(ref_l)
         inf_ok = bool(np.array_equal(fin, np.isfinite(lse)) and
                       np.all(lse[~fin] == -np.inf))
         err_l = float(np.abs(lse[fin] - ref_l[fin]).max()) if fin.any() else 0.0
         nan = bool(np.isnan(o).any())
-        ok = (not nan) and inf_ok and err_o <= tol[c["dt"]] and err_l <= 4 * tol[c["dt"]]
+        ok = (not nan) and inf_ok and err_o <= tol_o and err_l <= 4 * tol_o
         res = dict(case=c["name"], ok=ok, err_out=err_o, err_lse=err_l, nan=nan,
                    lse_inf_pattern_ok=inf_ok)
         if with_bwd:
             # Backward from the reference's out/lse (rounded like a real forward's) so
             # that its error is the backward's own.
-            dout = np.asarray(jnp.asarray(rng.standard_normal(ref_o.shape), dt)
-                              .astype(jnp.float32))
             out_d = np.asarray(jnp.asarray(ref_o, dt).astype(jnp.float32))
-            rdq, rdk, rdv = reference_bwd(q, k, v, out_d, dout, ref_p, kw["scale"])
+            ref_g = oracle.backward(q, k, v, dout, **_oracle_kw(kw))
+            rdq, rdk, rdv = ref_g["dq"], ref_g["dk"], ref_g["dv"]
             try:
                 g = jax.block_until_ready(flash_bwd(
                     *args, jnp.asarray(tr(out_d), dt), jnp.asarray(ref_l, jnp.float32),
                     jnp.asarray(tr(dout), dt), seq_major=sm, **jkw))
-                errs = [_rel(tr(np.asarray(x, np.float64)), r)
+                errs = [oracle.max_rel_error(tr(np.asarray(x, np.float64)), r)
                         for x, r in zip(g, (rdq, rdk, rdv))]
                 bnan = any(bool(np.isnan(np.asarray(x, np.float32)).any()) for x in g)
-                bok = (not bnan) and max(errs) <= grad_tol[c["dt"]]
+                tols = [tolerance(c["dt"], True, None if xla_g is None else
+                                  oracle.max_rel_error(x, r))
+                        for x, r in zip(xla_g or [None] * 3, (rdq, rdk, rdv))]
+                bok = (not bnan) and all(e <= t for e, t in zip(errs, tols))
                 res.update(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], bwd_nan=bnan)
             except Exception as e:  # noqa: BLE001
                 bok = False

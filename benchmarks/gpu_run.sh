@@ -46,6 +46,8 @@ if has build; then
   export CMAKE_ARGS="-DJAX_SDPA_CUDA=ON -DJAX_SDPA_METAL_EMULATOR=OFF -DCMAKE_CUDA_ARCHITECTURES=90 ${CMAKE_ARGS:-}"
   # LINEINFO=1: line tables in the kernels, for decode_ncu_source's CUDA view.
   [ "${LINEINFO:-0}" = 1 ] && CMAKE_ARGS="$CMAKE_ARGS -DJAX_SDPA_CUDA_LINEINFO=ON"
+  # TUNING=1: the sweep variants and their knobs (decode_sweep, probe, benchmarks/tuning/).
+  [ "${TUNING:-0}" = 1 ] && CMAKE_ARGS="$CMAKE_ARGS -DJAX_SDPA_TUNING=ON"
   start=$(date +%s)
   if ! python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -40; then
     # Another backend's work in progress must not block the cuDNN run: retry with
@@ -97,36 +99,36 @@ if has api; then
 fi
 if has decode_check; then
   say "decode check (default kernels, then: ${DECODE_CHECK_KNOBS:-no variants})"
-  (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_decode.py --module --only check \
+  (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_decode.py --only check \
      --out "$OUT" 2>&1 | tail -6) || rc=1
   for knob in ${DECODE_CHECK_KNOBS:-}; do
     say "decode check, JAX_SDPA_CUDA_DECODE_$knob"
     (cd /tmp && env $(knob_env "$knob") timeout 150 python3 -P \
-       $repo/benchmarks/gpu_decode.py --module --only check --out /tmp 2>&1 \
+       $repo/benchmarks/gpu_decode.py --only check --out /tmp 2>&1 \
        | grep -E "^FAIL|^ERR|check:" | tail -12) || rc=1
   done
 fi
 if has decode_bench; then
   say "decode bench (rows beside jax.nn xla / cudnn)"
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_BENCH_TIMEOUT:-240}" python3 -P \
-     $repo/benchmarks/gpu_decode.py --module --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
+     $repo/benchmarks/gpu_decode.py --only bench --out "$OUT" 2>&1 | tail -30) || rc=1
 fi
 if has decode_crossover; then
   say "decode crossover vs cuDNN (B, Lk, query rows per kv head)"
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout 200 python3 -P $repo/benchmarks/gpu_decode.py \
-     --module --only crossover --crossover-dims "${CROSSOVER_DIMS:-128}" --out "$OUT" 2>&1 \
+     --only crossover --crossover-dims "${CROSSOVER_DIMS:-128}" --out "$OUT" 2>&1 \
      | grep -E "^crossover" | tail -30) || rc=1
 fi
 if has decode_sweep; then
   say "decode sweep (knob settings per row)"
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_SWEEP_TIMEOUT:-200}" python3 -P \
-     $repo/benchmarks/gpu_decode.py --module --only sweep --sweep-rows "${SWEEP_ROWS:-}" --out "$OUT" 2>&1 \
+     $repo/benchmarks/gpu_decode.py --only sweep --sweep-rows "${SWEEP_ROWS:-}" --out "$OUT" 2>&1 \
      | grep -E "^sweep" | tail -60) || rc=1
 fi
 if has decode_profile; then
   say "decode profile (device busy / span per call)"
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_PROFILE_TIMEOUT:-200}" python3 -P \
-     $repo/benchmarks/decode_profile.py --out "$OUT" ${DECODE_PROFILE_ARGS:-} 2>&1 \
+     $repo/benchmarks/profiling/decode_profile.py --out "$OUT" ${DECODE_PROFILE_ARGS:-} 2>&1 \
      | grep -v "^      " | tail -40) || rc=1
 fi
 if has decode_ncu; then
@@ -143,7 +145,7 @@ if has decode_ncu; then
      timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:'decode_|flash|sdpa|combine|gemm|fusion' --section SpeedOfLight --section LaunchStats \
      --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
-     --section SchedulerStats ${NCU_EXTRA:-} python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} \
+     --section SchedulerStats ${NCU_EXTRA:-} python3 -P $repo/benchmarks/profiling/decode_ncu.py --rows ${NCU_ROWS:-0} \
      --peers "$peers" >> "$OUT/decode_ncu.txt" 2>&1) || rc=1
     peers=""
   done
@@ -153,15 +155,15 @@ fi
 if has decode_ncu_source; then
   # Stall sampling per SASS instruction (NCU_SOURCE_VIEW=cuda: per CUDA line, with a
   # LINEINFO=1 build) of our kernels matching NCU_KERNEL on NCU_ROWS: where the warps wait
-  # (benchmarks/ncu_source_top.py prints the top instructions / lines).
+  # (benchmarks/profiling/ncu_source_top.py prints the top instructions / lines).
   say "Nsight Compute source page: ${NCU_KERNEL:-decode_} on rows ${NCU_ROWS:-0}"
   (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:"${NCU_KERNEL:-decode_}" --section SourceCounters --section WarpStateStats \
      --warp-sampling-interval 0 --page source --csv --print-source ${NCU_SOURCE_VIEW:-sass} \
-     python3 -P $repo/benchmarks/decode_ncu.py --rows ${NCU_ROWS:-0} --peers "" \
+     python3 -P $repo/benchmarks/profiling/decode_ncu.py --rows ${NCU_ROWS:-0} --peers "" \
      > "$OUT/decode_ncu_source.csv" 2>&1) || rc=1
   lines=""; [[ "${NCU_SOURCE_VIEW:-sass}" == cuda* ]] && lines="--lines"
-  python3 benchmarks/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} $lines \
+  python3 benchmarks/profiling/ncu_source_top.py "$OUT/decode_ncu_source.csv" --top ${NCU_TOP:-30} $lines \
      > "$OUT/decode_ncu_source_top.txt" 2>&1 || rc=1
   head -c 12000 "$OUT/decode_ncu_source_top.txt"
 fi
@@ -174,15 +176,15 @@ if has flash_ncu; then
   (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:"${NCU_KERNEL:-flash_bwd_wgmma}" -c 1 --section SpeedOfLight --section LaunchStats \
      --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \
-     --section SchedulerStats python3 -P $repo/benchmarks/flash_ncu.py --row "${NCU_FLASH_ROW:-D512}" \
+     --section SchedulerStats python3 -P $repo/benchmarks/profiling/flash_ncu.py --row "${NCU_FLASH_ROW:-D512}" \
      > "$OUT/flash_ncu.txt" 2>&1) || rc=1
   grep -v "^==PROF==" "$OUT/flash_ncu.txt" | grep -E "Duration|Through|Hit|Cycles|Stall|Warp Cycles|Issued|Eligible|Registers|Pipe|Bandwidth|Busy" | head -60
   (cd /tmp && timeout "${NCU_TIMEOUT:-200}" /usr/local/cuda/bin/ncu --clock-control none \
      -k regex:"${NCU_KERNEL:-flash_bwd_wgmma}" -c 1 --section SourceCounters --section WarpStateStats \
      --warp-sampling-interval 0 --page source --csv --print-source sass \
-     python3 -P $repo/benchmarks/flash_ncu.py --row "${NCU_FLASH_ROW:-D512}" \
+     python3 -P $repo/benchmarks/profiling/flash_ncu.py --row "${NCU_FLASH_ROW:-D512}" \
      > "$OUT/flash_ncu_source.csv" 2>&1) || rc=1
-  python3 benchmarks/ncu_source_top.py "$OUT/flash_ncu_source.csv" --top ${NCU_TOP:-30} \
+  python3 benchmarks/profiling/ncu_source_top.py "$OUT/flash_ncu_source.csv" --top ${NCU_TOP:-30} \
      > "$OUT/flash_ncu_source_top.txt" 2>&1 || rc=1
   head -c 8000 "$OUT/flash_ncu_source_top.txt"
 fi
@@ -234,7 +236,7 @@ fi
 
 if has probe; then
   say "what cuDNN writes without our fix-ups"
-  JAX_SDPA_CUDNN_RAW=1 JAX_SDPA_POISON_OUTPUTS=1 timeout 120 python3 benchmarks/cudnn_probe.py 2>&1 | tail -30 || rc=1
+  JAX_SDPA_CUDNN_RAW=1 JAX_SDPA_POISON_OUTPUTS=1 timeout 120 python3 benchmarks/tuning/cudnn_probe.py 2>&1 | tail -30 || rc=1
 fi
 
 if has bench || has quick; then

@@ -1,24 +1,113 @@
-// jax_sdpa._sdpa_cuda: the CUDA-platform FFI handlers as capsules, plus a few
-// facts about the cuDNN in the process (for dispatch and `jax-sdpa info`).
+// jax_sdpa._sdpa_cuda: the CUDA-platform FFI handlers as capsules, and what the native code
+// knows that dispatch needs (jax_sdpa/dispatch.py asks these, never re-derives them): the
+// decode kernels' head dims, workspace bytes, default kernel and refusals, the flash kernels'
+// refusals and wgmma availability, cuDNN's band alignment, and the cuDNN in the process.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
-#include "cudnn_sdpa.h"
-#include "ffi_registry.h"
+#include <stdexcept>
+#include <string>
+
+#include "cuda/cudnn/cudnn_sdpa.h"
+#include "cuda/decode/decode_attention.h"
+#include "cuda/flash/flash_attention.h"
+#include "ffi/module_registrations.h"
+#include "ffi/sdpa_params.h"
 
 namespace nb = nanobind;
 
+namespace {
+
+jax_sdpa::DType dtype_from(const std::string& name) {
+  if (name == "float32") return jax_sdpa::DType::kF32;
+  if (name == "float16") return jax_sdpa::DType::kF16;
+  if (name == "bfloat16") return jax_sdpa::DType::kBF16;
+  throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got " + name);
+}
+
+// The shapes of a call as the kernels see them ([B, H, L, D], dense); no buffers.
+jax_sdpa::SdpaParams shape(const std::string& dtype, int64_t batch, int64_t heads_q,
+                           int64_t heads_kv, int64_t len_q, int64_t len_kv, int64_t head_dim,
+                           int64_t head_dim_v) {
+  jax_sdpa::SdpaParams p;
+  p.dtype = dtype_from(dtype);
+  p.batch = batch;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.len_q = len_q;
+  p.len_kv = len_kv;
+  p.head_dim = head_dim;
+  p.head_dim_v = head_dim_v;
+  return p;
+}
+
+}  // namespace
+
 NB_MODULE(_sdpa_cuda, m) {
-  m.doc() = "jax_sdpa NVIDIA backend: cuDNN SDPA graphs (and our CUDA kernels) behind XLA FFI";
+  namespace decode = jax_sdpa::cuda_decode;
+  namespace flash = jax_sdpa::cuda_flash;
+  m.doc() = "jax_sdpa NVIDIA backend: cuDNN SDPA graphs and our CUDA kernels behind XLA FFI";
+  jax_sdpa::def_registrations(m);
+
+  m.def("decode_head_dims", &decode::built_head_dims,
+        "The (D, Dv) pairs the decode kernels are built for.");
   m.def(
-      "registrations",
-      []() {
-        nb::dict d;
-        for (const auto& t : jax_sdpa::cuda_ffi_targets())
-          d[t.name.c_str()] = nb::capsule(t.handler);
-        return d;
+      "decode_unsupported_reason",
+      [](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
+         int64_t d, int64_t dv) { return decode::unsupported_reason(shape(dtype, b, hq, hk, lq, lk, d, dv)); },
+      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
+      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"),
+      "Why the decode kernels can't serve these shapes ('' when they can).");
+  m.def(
+      "decode_workspace_bytes",
+      [](int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk, int64_t dv) {
+        return decode::workspace_bytes(shape("float32", b, hq, hk, lq, lk, dv, dv));
       },
-      "{FFI target name: capsule} for jax.ffi.register_ffi_target(..., platform='CUDA').");
+      nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("len_q"),
+      nb::arg("len_kv"), nb::arg("head_dim_v"),
+      "Bytes of the decode target's uint8 workspace result for these shapes (>= 256).");
+  m.def(
+      "decode_default_kernel",
+      [](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
+         int64_t d, int64_t dv) {
+        return std::string(decode::default_kernel_name(shape(dtype, b, hq, hk, lq, lk, d, dv)));
+      },
+      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
+      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"),
+      "The decode kernel the default plan runs on an sm_90+ GPU ('' where not built).");
+  m.def(
+      "flash_unsupported_reason",
+      [](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
+         int64_t d, int64_t dv) { return flash::unsupported_reason(shape(dtype, b, hq, hk, lq, lk, d, dv)); },
+      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
+      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"),
+      "Why the flash kernels can't serve these shapes ('' when they can).");
+  m.def(
+      "flash_wgmma_serves",
+      [](bool backward, const std::string& dtype, int64_t d, int64_t dv, int cc_major,
+         int cc_minor) {
+        return flash::wgmma_serves(backward, shape(dtype, 1, 1, 1, 1, 1, d, dv), cc_major,
+                                   cc_minor);
+      },
+      nb::arg("backward"), nb::arg("dtype"), nb::arg("head_dim"), nb::arg("head_dim_v"),
+      nb::arg("cc_major"), nb::arg("cc_minor"),
+      "Whether the wgmma flash kernel of this direction runs these head dims on a GPU of this "
+      "compute capability (and JAX_SDPA_FLASH_WGMMA / _BWD is not 0).");
+  m.def(
+      "cudnn_bottom_right_aligned",
+      [](int64_t lq, int64_t lk, int64_t window_left, int64_t window_right, bool bottom_right,
+         bool has_lengths) {
+        jax_sdpa::SdpaParams p = shape("float16", 1, 1, 1, lq, lk, 8, 8);
+        p.window_left = window_left;
+        p.window_right = window_right;
+        p.bottom_right = bottom_right;
+        return jax_sdpa::cudnn::bottom_right_aligned(p, has_lengths);
+      },
+      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("window_left"), nb::arg("window_right"),
+      nb::arg("bottom_right"), nb::arg("has_lengths"),
+      "Whether our cuDNN graph asks for a bottom-right aligned band for this call.");
   m.def("cudnn_version", &jax_sdpa::cudnn::runtime_version,
         "Version of the libcudnn loaded in this process (e.g. 91900), -1 if it can't be queried.");
   m.def("cudnn_compiled_version", &jax_sdpa::cudnn::compiled_version,

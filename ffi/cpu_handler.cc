@@ -1,11 +1,12 @@
 // XLA FFI handlers of the native CPU kernel: jax_sdpa_cpu_fwd / jax_sdpa_cpu_bwd.
 // Operands and attributes as in docs/ffi_contract.md; everything is checked by
-// decode_forward / decode_backward before the kernel touches memory.
+// unpack_forward / unpack_backward before the kernel touches memory.
 #include <cstring>
 #include <string>
 
 #include "cpu/attention_cpu.h"
-#include "ffi/ffi_decode.h"
+#include "ffi/ffi_args.h"
+#include "ffi/registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sdpa {
@@ -18,7 +19,7 @@ ffi::Error CpuFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, SdpaAttrs a) {
   SdpaParams p;
   SdpaFwdBuffers buf;
-  if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &buf);
+  if (auto e = unpack_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &buf);
       e.failure())
     return e;
   if (poison_outputs_requested()) {  // tests: an element the kernel misses shows up as NaN
@@ -36,7 +37,7 @@ ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
                   ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs a) {
   SdpaParams p;
   SdpaBwdBuffers buf;
-  if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
+  if (auto e = unpack_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
                                *dk, *dv, &p, &buf);
       e.failure())
     return e;
@@ -52,8 +53,11 @@ ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
 }  // namespace
 }  // namespace jax_sdpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaCpuFwd, jax_sdpa::CpuFwd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_fwd, jax_sdpa::CpuFwd,
                               jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaCpuBwd, jax_sdpa::CpuBwd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_bwd, jax_sdpa::CpuBwd,
                               jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
+
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_fwd", jax_sdpa_cpu_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_bwd", jax_sdpa_cpu_bwd);

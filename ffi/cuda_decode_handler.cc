@@ -14,10 +14,10 @@
 #include <string>
 #include <utility>
 
-#include "cuda/decode_attention.h"
-#include "cuda/ffi_registry.h"
+#include "cuda/decode/decode_attention.h"
+#include "ffi/registry.h"
 #include "ffi/cuda_ffi_util.h"
-#include "ffi/ffi_decode.h"
+#include "ffi/ffi_args.h"
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,7 +41,7 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers buf;
-  if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
+  if (auto e = unpack_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
                               &buf);
       e.failure())
     return e;
@@ -90,4 +90,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
-JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd);

@@ -6,7 +6,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "ffi/ffi_decode.h"
+#include "ffi/ffi_args.h"
 
 namespace jax_sdpa {
 

@@ -12,10 +12,11 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/ffi_registry.h"
-#include "cuda/flash_attention.h"
+#include "ffi/registry.h"
+#include "cuda/common/tuning_knobs.h"
+#include "cuda/flash/flash_attention.h"
 #include "ffi/cuda_ffi_util.h"
-#include "ffi/ffi_decode.h"
+#include "ffi/ffi_args.h"
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,7 +29,7 @@ namespace ffi = xla::ffi;
 // -1: not set (or another value), use the attribute.
 int fp32_override() {
   static const int m = [] {
-    const char* v = std::getenv("JAX_SDPA_CUDA_FP32");
+    const char* v = tuning_knob("JAX_SDPA_CUDA_FP32");
     if (v == nullptr) return -1;
     if (std::string(v) == "highest") return static_cast<int>(kFp32PrecisionHighest);
     if (std::string(v) == "tf32") return static_cast<int>(kFp32PrecisionDefault);
@@ -50,7 +51,7 @@ ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers buf;
-  if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
+  if (auto e = unpack_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
                               &buf);
       e.failure())
     return e;
@@ -76,7 +77,7 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers buf;
-  if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
+  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
                                kv_lengths, *dq, *dk, *dv, &p, &buf);
       e.failure())
     return e;
@@ -106,7 +107,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_sdpa::bind_sdpa_fwd(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
 
-JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_flash_fwd", jax_sdpa_cuda_flash_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_fwd", jax_sdpa_cuda_flash_fwd);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_sdpa_cuda_flash_bwd, jax_sdpa::CudaFlashBwdImpl,
@@ -114,4 +115,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                 .Ctx<xla::ffi::ScratchAllocator>()));
 
-JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cuda_flash_bwd", jax_sdpa_cuda_flash_bwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_bwd", jax_sdpa_cuda_flash_bwd);

@@ -1,13 +1,13 @@
 // XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA").
-// Decode + check the call (ffi/ffi_decode.h), then run the cuDNN graphs in
+// Decode + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
 // cuda/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
 // comes from the ScratchAllocator, which CUDA-graph capture does not allow.
 #include <cuda_runtime.h>
 
-#include "cuda/cudnn_sdpa.h"
-#include "cuda/ffi_registry.h"
+#include "cuda/cudnn/cudnn_sdpa.h"
+#include "ffi/registry.h"
 #include "ffi/cuda_ffi_util.h"
-#include "ffi/ffi_decode.h"
+#include "ffi/ffi_args.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sdpa {
@@ -46,7 +46,7 @@ ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers b;
-  if (auto e = decode_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
+  if (auto e = unpack_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
                               &b);
       e.failure())
     return e;
@@ -65,7 +65,7 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers b;
-  if (auto e = decode_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
+  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
                                kv_lengths, *dq, *dk, *dv, &p, &b);
       e.failure())
     return e;
@@ -82,16 +82,16 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxSdpaCudnnFwd, jax_sdpa::CudnnFwd,
+    jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd,
     jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxSdpaCudnnBwd, jax_sdpa::CudnnBwd,
+    jax_sdpa_cudnn_bwd, jax_sdpa::CudnnBwd,
     jax_sdpa::bind_sdpa_bwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()));
 
-JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cudnn_fwd", JaxSdpaCudnnFwd);
-JAX_SDPA_REGISTER_CUDA_TARGET("jax_sdpa_cudnn_bwd", JaxSdpaCudnnBwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd", jax_sdpa_cudnn_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_bwd", jax_sdpa_cudnn_bwd);

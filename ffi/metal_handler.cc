@@ -1,5 +1,5 @@
 // XLA FFI handlers of the Metal backend: jax_sdpa_metal_fwd / jax_sdpa_metal_bwd, registered on
-// JAX's "cpu" platform. Decodes and checks the call (ffi/ffi_decode.h), builds the launch plan
+// JAX's "cpu" platform. Decodes and checks the call (ffi/ffi_args.h), builds the launch plan
 // (metal_shaders/host_plan.h) and hands it to the platform runner: Metal on macOS
 // (metal_shaders/host_macos.mm), the CPU emulator of the same .metal kernels on Linux
 // (metal_shaders/runner_emulator.cc). Also the nanobind module _sdpa_metal.
@@ -8,7 +8,9 @@
 
 #include <string>
 
-#include "ffi/ffi_decode.h"
+#include "ffi/ffi_args.h"
+#include "ffi/module_registrations.h"
+#include "ffi/registry.h"
 #include "metal_shaders/host_plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,7 +39,7 @@ ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                     SdpaAttrs a) {
   SdpaParams p;
   SdpaFwdBuffers io;
-  if (auto e = decode_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &io);
+  if (auto e = unpack_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &io);
       e.failure())
     return e;
   metal::Plan plan;
@@ -52,7 +54,7 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
                     ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs a) {
   SdpaParams p;
   SdpaBwdBuffers io;
-  if (auto e = decode_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
+  if (auto e = unpack_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
                                *dk, *dv, &p, &io);
       e.failure())
     return e;
@@ -64,20 +66,18 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
 }  // namespace
 }  // namespace jax_sdpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaMetalFwd, jax_sdpa::MetalFwd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_fwd, jax_sdpa::MetalFwd,
                               jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSdpaMetalBwd, jax_sdpa::MetalBwd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_bwd, jax_sdpa::MetalBwd,
                               jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
+
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_fwd", jax_sdpa_metal_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_bwd", jax_sdpa_metal_bwd);
 
 NB_MODULE(_sdpa_metal, m) {
   m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";
-  m.def("registrations", []() {
-    nb::dict d;
-    d["jax_sdpa_metal_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxSdpaMetalFwd));
-    d["jax_sdpa_metal_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxSdpaMetalBwd));
-    return d;
-  });
+  jax_sdpa::def_registrations(m);
   m.def(
       "describe",
       []() -> std::string {

@@ -1,30 +1,34 @@
-"""Which implementation serves a call.
+"""Which implementation serves a call: one `Plan` per lowering.
 
-Each implementation has a `supports_<name>(cfg, direction)` rule returning
-(ok, reason). `choose` walks the platform's preference order and returns the
-first that serves (the pure-JAX ones always do), so `implementation=None` never
+`plan(cfg, platform, direction, implementation)` decides once what a lowering emits: the
+implementation, its FFI target, the bytes of workspace the target takes and why. Each
+implementation has a rule returning (ok, reason); the platform's preference order is walked
+and the first that serves wins (the pure-JAX ones always do), so `implementation=None` never
 fails for want of a kernel; a named implementation that can't serve raises
-`NotImplementedError` with its reason.
+`NotImplementedError` with its reason. Every verdict of one call is computed once (`_Call`).
+
+What the native code owns (the decode kernels' head dims, workspace bytes, default kernel
+and refusals, the flash kernels' refusals and wgmma availability, cuDNN's band alignment) is
+asked from the `_sdpa_cuda` module, never re-derived here; the measured crossovers between
+implementations are rows of `jax_sdpa/tuning.py`.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import functools
 import sys
 from typing import Optional
 
 import numpy as np
 
-from jax_sdpa import _ext
-from jax_sdpa.config import FP32_PRECISION_HIGHEST, MASK_BOOL, Config
+from jax_sdpa import _ext, tuning
+from jax_sdpa.config import FP32_PRECISION_HIGHEST, MASK_BOOL, MASK_NONE, Config
 
 IMPLEMENTATIONS = ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked")
 FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "metal": "cpu", "cpu": "cpu"}
 
-# Above this many bytes of float32 scores the exact reference switches to the
-# chunked one (XLA would otherwise materialize them, several times over in the
-# backward).
-XLA_CHUNKED_SCORE_BYTES = 256 << 20
+XLA_CHUNKED_SCORE_BYTES = tuning.XLA_CHUNKED_SCORE_BYTES
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"))
 
@@ -132,13 +136,24 @@ def _cudnn_version_str(v):
     return f"{v // 10000}.{(v // 100) % 100}.{v % 100}"
 
 
-def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
-    """What our cuDNN graphs (cuda/cudnn_sdpa.cc) serve; cuDNN's own support check
+def _native():
+    """The `_sdpa_cuda` module (None when it is not built): the native facts."""
+    return _ext.module("_sdpa_cuda")
+
+
+def _shape_args(cfg: Config):
+    return (cfg.dtype.name, cfg.batch, cfg.heads_q, cfg.heads_kv, cfg.len_q, cfg.len_kv,
+            cfg.head_dim, cfg.head_dim_v)
+
+
+def _supports_cudnn(call: "_Call") -> Verdict:
+    """What our cuDNN graphs (cuda/cudnn/cudnn_sdpa.cc) serve; cuDNN's own support check
     still runs when the graph is built and its message is raised if it refuses."""
-    from jax_sdpa.config import MASK_NONE
-    if (r := _platform_check("cudnn", platform)) is not None:
+    cfg, direction = call.cfg, call.direction
+    if (r := _platform_check("cudnn", call.platform)) is not None:
         return r
-    if not _ext.has_backend("cudnn"):
+    native = _native()
+    if not _ext.has_backend("cudnn") or native is None:
         return _no("the cuDNN backend is not built into this installation")
     if cfg.dtype not in (np.dtype(np.float16), np.dtype("bfloat16")):
         return _no(f"cuDNN SDPA needs float16 or bfloat16, got {cfg.dtype}")
@@ -156,11 +171,10 @@ def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
     if max(d, dv) > limit and not (cc[0] >= 10 and (d, dv) == (192, 128)):
         return _no(f"head dims ({d}, {dv}) above cuDNN's {limit} on compute capability "
                    f"{cc[0]}.{cc[1]}")
-    lengths = cfg.has_q_lengths or cfg.has_kv_lengths
     p = cfg.params
-    banded = p.window_left >= 0 or p.window_right >= 0
-    # Bottom-right alignment only matters off the square diagonal or with lengths.
-    aligned_br = banded and p.bottom_right and (lengths or cfg.len_q != cfg.len_kv)
+    aligned_br = bool(native.cudnn_bottom_right_aligned(
+        cfg.len_q, cfg.len_kv, p.window_left, p.window_right, p.bottom_right,
+        cfg.has_q_lengths or cfg.has_kv_lengths))
     if aligned_br and version < 90600:
         return _no("bottom-right aligned causal/window needs cuDNN >= 9.6, found "
                    + _cudnn_version_str(version))
@@ -186,45 +200,24 @@ def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
     return _ok(f"cuDNN {_cudnn_version_str(version)} {what}")
 
 
-# Instantiated in cuda/decode_attention*.cu.
-CUDA_DECODE_HEAD_DIMS = frozenset(
-    [(d, d) for d in (64, 72, 80, 96, 128, 192, 256, 512)] + [(192, 128), (96, 64)])
-
-# Our CUDA flash kernels' limits (mirrors unsupported_reason in cuda/flash_attention.cu).
-CUDA_FLASH_MAX_HEAD_DIM = 512
-CUDA_FLASH_MAX_GRID = 65535  # batch and query heads are grid dimensions
-CUDA_FLASH_MAX_LEN = 1 << 30
+def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
+    return _Call(cfg, direction, platform).cudnn
 
 
-def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
-    """Our decode kernel (target jax_sdpa_cuda_fwd, cuda/decode_attention*): forward only,
-    few-query shapes, the instantiated head dims."""
-    if direction == "bwd":
-        return _no("the decode kernel has no backward")
-    if (r := _common_fused_checks(cfg)) is not None:
-        return r
-    if not cfg.is_decode:
-        return _no("the decode kernel serves few-query (decode) shapes only "
-                   f"(Lq = {cfg.len_q}, {cfg.group} query heads per kv head)")
-    dims = (cfg.head_dim, cfg.head_dim_v)
-    if dims not in CUDA_DECODE_HEAD_DIMS:
-        return _no(f"the decode kernel is built for head dims (D, Dv) in "
-                   f"{sorted(CUDA_DECODE_HEAD_DIMS)}, not {dims}")
-    if cfg.dtype == np.dtype(np.float32):
-        if dims == (512, 512):
-            return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA "
-                       "cores, the warps split the head dims, cuda/decode_wide_f32.cuh)")
-        return _ok("our decode kernel (split-K over the kv cache; fp32 exact, on CUDA cores)")
-    if dims in ((128, 128), (256, 256)) and cfg.group * cfg.len_q <= 8:
-        return _ok("our decode kernel (split-K over the kv cache; tensor cores, K/V fed by TMA "
-                   "on sm_90+, cuda/decode_tma.cuh)")
-    if dims == (512, 512):
-        return _ok("our decode kernel (split-K over the kv cache; tensor cores, the warps split "
-                   "the head dims, K/V fed by TMA on sm_90+, cuda/decode_wide_tma.cuh)")
-    return _ok("our decode kernel (split-K over the kv cache; tensor cores)")
+# Our decode kernels' default kernel (as the native plan names it) -> what explain says.
+_DECODE_KERNEL_TEXT = {
+    "decode_simt_kernel": "fp32 exact, on CUDA cores",
+    "decode_wide_f32_kernel": ("fp32 exact, on CUDA cores, the warps split the head dims, "
+                               "cuda/decode/decode_wide_f32.cuh"),
+    "decode_tc_kernel": "tensor cores",
+    "decode_wide_kernel": "tensor cores",
+    "decode_tma_kernel": "tensor cores, K/V fed by TMA on sm_90+, cuda/decode/decode_tma.cuh",
+    "decode_wide_tma_kernel": ("tensor cores, the warps split the head dims, K/V fed by TMA "
+                               "on sm_90+, cuda/decode/decode_wide_tma.cuh"),
+}
 
-
-# The decode kernel's FFI target (forward only) and the flash kernels' targets.
+# The FFI targets of our CUDA kernels: the decode kernels (forward only) and the flash
+# kernels.
 CUDA_DECODE_TARGET = "jax_sdpa_cuda_fwd"
 
 
@@ -232,45 +225,43 @@ def _cuda_target(kernel: str, direction: str) -> str:
     return CUDA_DECODE_TARGET if kernel == "decode" else f"jax_sdpa_cuda_flash_{direction}"
 
 
-# The decode kernel's workspace (the third, uint8 result of CUDA_DECODE_TARGET: split-K
-# partials + the fused combine's counters, allocated by XLA so that the call can be
-# captured in a CUDA graph). Mirrors make_plan / choose_splits in cuda/decode_attention.cu,
-# whose split count is at most min(256, len_kv / min_keys, 2 * slots / units + 2) with
-# min_keys >= 32 (one 16-key tile per warp, >= 2 warps) and slots <= SMs x resident
-# blocks; make_plan lowers the count to what fits when a workspace is smaller.
-CUDA_DECODE_MAX_SPLITS = 256
-CUDA_DECODE_SLOTS_BOUND = 160 * 4  # a generous bound on SMs x resident blocks per SM
-CUDA_DECODE_MIN_SPLIT_KEYS = 16  # a lower bound on make_plan's min_keys (itself >= 32)
-_WORKSPACE_ALIGN = 256
+def _decode_verdict(call: "_Call") -> Verdict:
+    cfg = call.cfg
+    if call.direction == "bwd":
+        return _no("the decode kernel has no backward")
+    if (r := _common_fused_checks(cfg)) is not None:
+        return r
+    if not cfg.is_decode:
+        return _no("the decode kernel serves few-query (decode) shapes only "
+                   f"(Lq = {cfg.len_q}, {cfg.group} query heads per kv head)")
+    native = _native()
+    if native is None:
+        return _no("our CUDA kernels are not built into this installation")
+    why = native.decode_unsupported_reason(*_shape_args(cfg))
+    if why:
+        return _no(f"the decode kernel: {why}")
+    kernel = native.decode_default_kernel(*_shape_args(cfg))
+    return _ok(f"our decode kernel (split-K over the kv cache; "
+               f"{_DECODE_KERNEL_TEXT.get(kernel, kernel)})")
 
 
-def _pad(nbytes: int) -> int:
-    return -(-nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+def cuda_decode_serves(cfg: Config, direction: str) -> Verdict:
+    """Our decode kernels (target jax_sdpa_cuda_fwd, cuda/decode/): forward only, few-query
+    shapes, the head dims the module is built for."""
+    return _Call(cfg, direction, "cuda").decode
 
 
 def cuda_decode_workspace_bytes_for(batch: int, heads_q: int, heads_kv: int, len_q: int,
                                     len_kv: int, head_dim_v: int) -> int:
-    """Bytes of the decode kernel's workspace result for these shapes (>= 256, never an
-    empty buffer). Layout (cuda/decode_attention.h, docs/ffi_contract.md), for n splits and
-    rows = B * Hq * Lq: [partial out: n * rows * Dv float32, padded to 256 bytes]
-    [partial lse: n * rows float32, padded to 256][counters: units int32, padded to 256],
-    units = B * Hk * ceil(G * Lq / rows_per_block). Sized for the largest n the C++
-    heuristic can choose: n_max = min(256, 2 * SLOTS_BOUND // units + 2, max(1, Lk // 16)),
-    with units at 16 rows per block there (the fewest units, so the most splits), and the
-    counters at 8 rows per block (the most units)."""
-    rows = batch * heads_q * len_q
-    if rows <= 0 or heads_kv <= 0:
-        return _WORKSPACE_ALIGN
-    group_rows = (heads_q // heads_kv) * len_q
-    units_fewest = batch * heads_kv * -(-group_rows // 16)
-    units_most = batch * heads_kv * -(-group_rows // 8)
-    n_max = min(CUDA_DECODE_MAX_SPLITS, 2 * CUDA_DECODE_SLOTS_BOUND // max(1, units_fewest) + 2,
-                max(1, len_kv // CUDA_DECODE_MIN_SPLIT_KEYS))
-    if n_max <= 1:
-        return _WORKSPACE_ALIGN
-    total = (_pad(n_max * rows * head_dim_v * 4) + _pad(n_max * rows * 4)
-             + _pad(units_most * 4))
-    return max(_WORKSPACE_ALIGN, total)
+    """Bytes of the decode target's workspace result for these shapes, as the native
+    planner sizes it (cuda/decode/decode_attention.h: split-K partials + counters for the
+    most splits it can choose; >= 256, never an empty buffer)."""
+    native = _native()
+    if native is None:
+        raise NotImplementedError("jax_sdpa: our CUDA kernels are not built into this "
+                                  "installation")
+    return int(native.decode_workspace_bytes(batch, heads_q, heads_kv, len_q, len_kv,
+                                             head_dim_v))
 
 
 def cuda_decode_workspace_bytes(cfg: Config) -> int:
@@ -285,22 +276,16 @@ def ffi_workspace_bytes(target: str, cfg: Config) -> int:
     return cuda_decode_workspace_bytes(cfg) if target == CUDA_DECODE_TARGET else 0
 
 
-def cuda_flash_serves(cfg: Config, direction: str) -> Verdict:
-    """Our flash kernels (targets jax_sdpa_cuda_flash_{fwd,bwd}, cuda/flash_attention*):
-    forward and backward, every mask form, sinks, lengths, windows, GQA, both layouts."""
+def _flash_verdict(call: "_Call") -> Verdict:
+    cfg = call.cfg
     if (r := _common_fused_checks(cfg)) is not None:
         return r
-    d, dv = cfg.head_dim, cfg.head_dim_v
-    if d % 8 or dv % 8:
-        return _no(f"head dims must be multiples of 8 for the flash kernels (D={d}, Dv={dv})")
-    if max(d, dv) > CUDA_FLASH_MAX_HEAD_DIM:
-        return _no(f"head dims above {CUDA_FLASH_MAX_HEAD_DIM} are not supported by the flash "
-                   f"kernels (D={d}, Dv={dv})")
-    if cfg.batch > CUDA_FLASH_MAX_GRID or cfg.heads_q > CUDA_FLASH_MAX_GRID:
-        return _no(f"batch and query heads must each be <= {CUDA_FLASH_MAX_GRID} for the flash "
-                   f"kernels (B={cfg.batch}, Hq={cfg.heads_q})")
-    if max(cfg.len_q, cfg.len_kv) >= CUDA_FLASH_MAX_LEN:
-        return _no("sequence lengths must be < 2**30 for the flash kernels")
+    native = _native()
+    if native is None:
+        return _no("our CUDA kernels are not built into this installation")
+    why = native.flash_unsupported_reason(*_shape_args(cfg))
+    if why:
+        return _no(f"the flash kernels: {why}")
     if cfg.dtype == np.dtype(np.float32):
         precision = ("3xTF32, ~fp32 accurate (matmul precision 'highest')"
                      if cfg.params.fp32_precision == FP32_PRECISION_HIGHEST else
@@ -310,147 +295,154 @@ def cuda_flash_serves(cfg: Config, direction: str) -> Verdict:
     return _ok("our flash kernels")
 
 
+def cuda_flash_serves(cfg: Config, direction: str) -> Verdict:
+    """Our flash kernels (targets jax_sdpa_cuda_flash_{fwd,bwd}, cuda/flash/): forward and
+    backward, every mask form, sinks, lengths, windows, GQA, both layouts."""
+    return _Call(cfg, direction, "cuda").flash
+
+
+def _cuda_kernel(call: "_Call"):
+    decode_ok, decode_why = call.decode
+    if decode_ok:
+        return "decode", f"{decode_why} [{_cuda_target('decode', call.direction)}]"
+    flash_ok, flash_why = call.flash
+    if flash_ok:
+        return "flash", (f"{flash_why} [{_cuda_target('flash', call.direction)}]; not the "
+                         f"decode kernel: {decode_why}")
+    return None, f"{flash_why}; and {decode_why}"
+
+
 def cuda_kernel(cfg: Config, direction: str):
     """Which of our CUDA kernels `implementation="cuda"` runs: ("decode" | "flash" | None,
     reason naming the kernel, its FFI target and why). The decode kernel takes the forward
     of every decode-shaped call it serves; the flash kernels everything else they serve
     (and every backward)."""
-    decode_ok, decode_why = cuda_decode_serves(cfg, direction)
-    if decode_ok:
-        return "decode", f"{decode_why} [{_cuda_target('decode', direction)}]"
-    flash_ok, flash_why = cuda_flash_serves(cfg, direction)
-    if flash_ok:
-        return "flash", (f"{flash_why} [{_cuda_target('flash', direction)}]; not the decode "
-                         f"kernel: {decode_why}")
-    return None, f"{flash_why}; and {decode_why}"
+    return _Call(cfg, direction, "cuda").cuda_kernel
 
 
-def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
-    if (r := _platform_check("cuda", platform)) is not None:
+def _supports_cuda(call: "_Call") -> Verdict:
+    if (r := _platform_check("cuda", call.platform)) is not None:
         return r
-    if not _ext.has_backend("cuda"):
+    if not _ext.has_backend("cuda") or _native() is None:
         return _no("our CUDA kernels are not built into this installation")
-    kernel, why = cuda_kernel(cfg, direction)
+    kernel, why = call.cuda_kernel
     return (kernel is not None), why
 
 
+def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
+    return _Call(cfg, direction, platform).verdict("cuda")
+
+
 _RULES = {
-    "cudnn": supports_cudnn,
-    "cuda": supports_cuda,
-    "metal": supports_metal,
-    "cpu": supports_cpu,
-    "xla": supports_xla,
-    "xla_chunked": supports_xla_chunked,
+    "cudnn": _supports_cudnn,
+    "cuda": _supports_cuda,
+    "metal": lambda call: supports_metal(call.cfg, call.direction, call.platform),
+    "cpu": lambda call: supports_cpu(call.cfg, call.direction, call.platform),
+    "xla": lambda call: supports_xla(call.cfg, call.direction, call.platform),
+    "xla_chunked": lambda call: supports_xla_chunked(call.cfg, call.direction, call.platform),
 }
 
 
+class _Call:
+    """One call's verdicts, each computed at most once (a lowering asks several questions
+    of the same rules: the preference order, the choice, the target)."""
+
+    def __init__(self, cfg: Config, direction: str, platform: str):
+        self.cfg, self.direction, self.platform = cfg, direction, platform
+        self._verdicts = {}
+
+    def verdict(self, name: str) -> Verdict:
+        if name not in self._verdicts:
+            self._verdicts[name] = _RULES[name](self)
+        return self._verdicts[name]
+
+    @property
+    def cudnn(self) -> Verdict:
+        return self.verdict("cudnn")
+
+    @functools.cached_property
+    def decode(self) -> Verdict:
+        return _decode_verdict(self)
+
+    @functools.cached_property
+    def flash(self) -> Verdict:
+        return _flash_verdict(self)
+
+    @functools.cached_property
+    def cuda_kernel(self):
+        return _cuda_kernel(self)
+
+
 def supports(name: str, cfg: Config, direction: str, platform: str) -> Verdict:
-    return _RULES[name](cfg, direction, platform)
+    return _Call(cfg, direction, platform).verdict(name)
 
 
 # ---- the choice ---------------------------------------------------------------
 
-# Where cuDNN can't serve a 16-bit decode call (sinks, ...): ours from this many bytes of
-# K + V on (the measured rows, 134-537 MB, all won; small calls are xla's).
-CUDA_DECODE_MIN_KV_BYTES = 32 << 20
-# ... and at head dims > 256 (the wide kernels: 8 query rows a block) from this many, at up
-# to 8 query rows per kv head (docs/cuda_decode.md, eleventh session).
-CUDA_DECODE_WIDE_MIN_KV_BYTES = 64 << 20
 
-
-def _decode_pick(cfg: Config, direction: str, platform: str) -> Optional[str]:
-    """Where our decode kernel ("cuda") or our own XLA path ("xla") beat cuDNN on the H200
-    (docs/cuda_decode.md; K = 64..1024 dependent calls per timed execution, 2026-11-30);
-    None: the usual order (cuDNN where it serves). With R = Lq * Hq/Hk query rows per kv
-    head, cuDNN re-reads K/V per query head once Lq > 1, so ours wins for 4 < R <= 32 (B8
-    H32/KV8 Lk4096 D128: 2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64; D192 / D256:
-    1.4-2.6x at R 8-32, gpu_decode_crossover_20261130T2010.json). Plain decode (R <= 4):
-    at D128 cuDNN was as fast or faster (1.0-1.2x), so cuDNN; at D = Dv in {192, 256} it
-    was the slowest of ours, cuDNN and our XLA path at 10 of 12 points (H32/KV8 B1-B32
-    Lk2048-8192; at B1 Lk2048 ours was): ours from CUDA_DECODE_MIN_KV_BYTES of K + V
-    (1.11-1.41x cuDNN at D192, 1.19-1.31x at D256 there), our XLA path below
-    (B1 Lk2048: 11.3 / 10.7 us vs cuDNN 12.7 / 13.1, ours 19.7 / 13.6; T2010).
-    Where cuDNN can't serve: XLA matched or beat ours on every fp32 row (1.0-1.36x, the
-    1.36x at D512 with decode_wide_f32_kernel); 16-bit at D <= 256 ours matched or beat XLA
-    (B8 Lk8192 1.0x, B1 Lk32768 1.1x, B64 1.04x) from CUDA_DECODE_MIN_KV_BYTES. 16-bit at
-    D512 (decode_wide_tma_kernel) the choice is between ours and our own XLA path (jax.nn's
-    xla, faster still on small calls, is not ours to pick): ours from
-    CUDA_DECODE_WIDE_MIN_KV_BYTES at up to 8 query rows per kv head (bf16 H32/KV8 plain
-    decode, 1.02-1.12x our XLA path from B1 Lk8192 / B8 Lk1024, 128 MiB, to B32 Lk8192, and
-    1.08x at 8 rows; B1 H32/KV4 Lk8192, 64 MiB, 1.07x; below 64 MiB mixed: B1 Lk2048 our
-    XLA path 1.13x, B1 Lk1024 ours 1.15x, B1 H32/KV4 Lk1024 fp16 our XLA path 1.17x; 16 and
-    32 rows per kv head re-read K/V per 8-row chunk: our XLA path 1.25x / 2.2x;
-    gpu_decode_crossover_20261201T0334.json, gpu_decode_bench_20261201T0333.json)."""
+def _decode_pick(call: "_Call") -> Optional[str]:
+    """Where our decode kernel ("cuda") or our own XLA path ("xla") beat cuDNN, as the rows
+    of jax_sdpa/tuning.py say (R = Lq * Hq/Hk query rows per kv head; K + V bytes); None:
+    the usual order (cuDNN where it serves)."""
+    cfg = call.cfg
     rows = cfg.len_q * cfg.group
     dmax = max(cfg.head_dim, cfg.head_dim_v)
     kv_bytes = (cfg.batch * cfg.heads_kv * cfg.len_kv * (cfg.head_dim + cfg.head_dim_v)
                 * cfg.dtype.itemsize)
-    big = kv_bytes >= CUDA_DECODE_MIN_KV_BYTES
-    if supports_cudnn(cfg, direction, platform)[0]:
+    big = kv_bytes >= tuning.CUDA_DECODE_MIN_KV_BYTES
+    if call.cudnn[0]:
         if rows <= 4 and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (192, 256):
             return "cuda" if big else "xla"
-        return "cuda" if 4 < rows <= 32 else None
+        return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
+            tuning.CUDA_DECODE_OVER_CUDNN_ROWS[1] else None
     if cfg.dtype == np.dtype(np.float32):
         return None
     if dmax > 256:
-        return "cuda" if rows <= 8 and kv_bytes >= CUDA_DECODE_WIDE_MIN_KV_BYTES else None
+        return ("cuda" if rows <= tuning.CUDA_DECODE_WIDE_MAX_ROWS
+                and kv_bytes >= tuning.CUDA_DECODE_WIDE_MIN_KV_BYTES else None)
     return "cuda" if big else None
 
 
-_WGMMA_KNOBS = {"fwd": "JAX_SDPA_FLASH_WGMMA", "bwd": "JAX_SDPA_FLASH_WGMMA_BWD"}
-
-
-def _wgmma_flash_runs(direction: str) -> bool:
-    """Whether our wgmma flash kernel of this direction (cuda/flash_fwd_wgmma.cu,
-    cuda/flash_bwd_wgmma.cu: 16-bit D, Dv in (256, 512]) runs here: they exist as sm_90a code
-    only (compute capability 9.0: H100 / H200), and JAX_SDPA_FLASH_WGMMA=0 /
-    JAX_SDPA_FLASH_WGMMA_BWD=0 turn them off (the wide-head kernels run then)."""
-    return (_cudnn_facts()[1] == (9, 0)
-            and os.environ.get(_WGMMA_KNOBS[direction], "1") != "0")
+def _wgmma_flash_runs(cfg: Config, direction: str) -> bool:
+    """Whether our wgmma flash kernel of this direction serves the call on this GPU: the
+    native rule (cuda/flash/flash_attention.h: wgmma_serves)."""
+    native = _native()
+    if native is None:
+        return False
+    cc = _cudnn_facts()[1]
+    return bool(native.flash_wgmma_serves(direction == "bwd", cfg.dtype.name, cfg.head_dim,
+                                          cfg.head_dim_v, cc[0], cc[1]))
 
 
 def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
     """Whether `implementation=None` should run our CUDA flash kernels in this direction on
-    a call that cuDNN cannot serve (asked only then), rather than xla / xla_chunked. The
-    forward and the backward are separate primitives, each lowered with its own choice: the
-    backward takes out and lse, whichever implementation made them.
-
-    Measured on the H200 (2026-11-30, benchmarks/results/flash_tc_*, flash_bench_api_*):
-    fp32 SD3 B2 H38 L4250 D64 ours 92-96 / 85-88 TFLOP/s fwd / fwd+bwd vs xla 39-41 / 51-52,
-    1.2 MiB / 78 MiB vs 10.2 / 15.3 GiB of temporaries; fp32 B1 H16 L8192 D128 ours
-    113-117 / 100-101 vs xla 97-107 / 124-127 (xla's backward is faster there, with 12 GiB
-    of scores: we keep O(L) memory). 16-bit at head dims > 256, D512 bf16 causal, with the
-    wgmma kernels (H100 / H200; T2352): B1 H16 L4096 ours 166-198 / 138-143 vs our XLA path
-    84-93 / 114-121 (4 GiB) and xla_chunked 47 / 60; B4 H8 L1024 (128 MiB of scores) ours
-    90 / 92 (through the API) vs ours forward + our XLA backward 82 and our XLA path 77: ours
-    in both directions. Without them (other GPUs, or the knobs): the wide-head kernels,
-    114-119 / 94 vs xla 130 / 173, so only where xla would materialize more scores than
-    XLA_CHUNKED_SCORE_BYTES. Never for decode shapes (the decode kernel and its crossover,
-    `_decode_pick`, own those).
-    """
+    a call that cuDNN cannot serve (asked only then), rather than xla / xla_chunked: the
+    rows of jax_sdpa/tuning.py. The forward and the backward are separate primitives, each
+    lowered with its own choice: the backward takes out and lse, whichever implementation
+    made them. Never for decode shapes (the decode kernel's crossover owns those)."""
     if cfg.is_decode:
         return False
     dmax = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.dtype == np.dtype(np.float32):
-        return dmax <= 128
+        return dmax <= tuning.CUDA_FLASH_FP32_MAX_HEAD_DIM
     if dmax <= 256:
         return False
-    if min(cfg.head_dim, cfg.head_dim_v) > 256 and _wgmma_flash_runs(direction):
+    if _wgmma_flash_runs(cfg, direction):
         return True
     return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
 
 
-def _preference(cfg: Config, platform: str, direction: str):
+def _preference(call: "_Call"):
     """Fused implementations to try, fastest first, on this platform."""
+    cfg, platform, direction = call.cfg, call.platform, call.direction
     if platform == "cuda":
-        if cfg.is_decode and cuda_decode_serves(cfg, direction)[0]:
-            pick = _decode_pick(cfg, direction, platform)
+        if cfg.is_decode and call.decode[0]:
+            pick = _decode_pick(call)
             if pick == "cuda":
                 return ["cuda", "cudnn"]
             if pick == "xla":
                 return []  # our XLA path (_xla_choice)
-        if (not supports_cudnn(cfg, direction, platform)[0]
-                and _cuda_flash_preferred(cfg, direction)):
+        if not call.cudnn[0] and _cuda_flash_preferred(cfg, direction):
             return ["cuda"]
         return ["cudnn"]
     if platform == "cpu":
@@ -464,38 +456,72 @@ def _xla_choice(cfg: Config) -> str:
     return "xla_chunked" if cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES else "xla"
 
 
-def choose(cfg: Config, platform: str, direction: str = "fwd",
-           implementation: Optional[str] = None) -> str:
-    """The implementation that runs this call (raises NotImplementedError when a
-    named one can't)."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one lowering emits, decided once."""
+
+    implementation: str
+    target: Optional[str]  # the FFI custom-call target; None for the pure-JAX ones
+    workspace_bytes: int  # bytes of the target's extra uint8 workspace result (0: none)
+    reason: str
+
+
+def _choose(call: "_Call", implementation: Optional[str]) -> str:
     if implementation is not None:
-        ok, reason = supports(implementation, cfg, direction, platform)
+        ok, reason = call.verdict(implementation)
         if not ok:
             raise NotImplementedError(
                 f"jax_sdpa: implementation={implementation!r} can't serve this call: {reason}")
         return implementation
-    for name in _preference(cfg, platform, direction):
-        if supports(name, cfg, direction, platform)[0]:
+    for name in _preference(call):
+        if call.verdict(name)[0]:
             return name
-    return _xla_choice(cfg)
+    return _xla_choice(call.cfg)
+
+
+def _target(call: "_Call", name: str) -> str:
+    if name == "cuda":
+        kernel, why = call.cuda_kernel
+        if kernel is None:
+            raise NotImplementedError(f"jax_sdpa: implementation='cuda' can't serve this "
+                                      f"call: {why}")
+        return _cuda_target(kernel, call.direction)
+    return f"jax_sdpa_{name}_{call.direction}"
+
+
+def plan(cfg: Config, platform: str, direction: str = "fwd",
+         implementation: Optional[str] = None) -> Plan:
+    """The implementation, FFI target and workspace of this call (raises
+    NotImplementedError when a named implementation can't serve it)."""
+    call = _Call(cfg, direction, platform)
+    name = _choose(call, implementation)
+    reason = call.verdict(name)[1]
+    if name in ("xla", "xla_chunked"):
+        return Plan(name, None, 0, reason)
+    target = _target(call, name)
+    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason)
+
+
+def choose(cfg: Config, platform: str, direction: str = "fwd",
+           implementation: Optional[str] = None) -> str:
+    """The implementation that runs this call (raises NotImplementedError when a
+    named one can't)."""
+    return _choose(_Call(cfg, direction, platform), implementation)
 
 
 def explain_choice(cfg: Config, platform: str, direction: str = "fwd"):
     """(chosen, {name: (ok, reason)}) for every implementation."""
-    verdicts = {name: supports(name, cfg, direction, platform) for name in IMPLEMENTATIONS}
-    return choose(cfg, platform, direction), verdicts
+    call = _Call(cfg, direction, platform)
+    verdicts = {name: call.verdict(name) for name in IMPLEMENTATIONS}
+    return _choose(call, None), verdicts
 
 
 def ffi_target(name: str, direction: str, cfg: Optional[Config] = None) -> str:
     """The FFI target of implementation `name`. "cuda" is two kernels: the decode kernel
     (`jax_sdpa_cuda_fwd`) or the flash kernels (`jax_sdpa_cuda_flash_{fwd,bwd}`), as
     `cuda_kernel` decides from the call's config."""
-    if name == "cuda":
-        if cfg is None:
-            raise ValueError("ffi_target('cuda', ...) needs the call's config")
-        kernel, why = cuda_kernel(cfg, direction)
-        if kernel is None:
-            raise NotImplementedError(f"jax_sdpa: implementation='cuda' can't serve this "
-                                      f"call: {why}")
-        return _cuda_target(kernel, direction)
-    return f"jax_sdpa_{name}_{direction}"
+    if name == "cuda" and cfg is None:
+        raise ValueError("ffi_target('cuda', ...) needs the call's config")
+    if name != "cuda":
+        return f"jax_sdpa_{name}_{direction}"
+    return _target(_Call(cfg, direction, "cuda"), name)

@@ -7,7 +7,7 @@ Operands and semantics are those of docs/ffi_contract.md; absent optional
 operands are zero-sized placeholders plus a `has_*` flag. Each primitive has an
 abstract eval, a batching rule (vmapped axes are folded into the batch), the
 pure-JAX reference as the default lowering, and per-platform lowerings that ask
-`dispatch` which implementation serves the call and emit its FFI custom call.
+`dispatch` for the call's plan (implementation, FFI target, workspace) once and emit it.
 """
 
 from __future__ import annotations
@@ -168,32 +168,31 @@ def _lower(direction, platform):
     (None: the default rule, used by every platform without its own)."""
     ref = _reference_fwd if direction == "fwd" else _reference_bwd
     n_fixed = 3 if direction == "fwd" else 6
+    prim = sdpa_fwd_p if direction == "fwd" else sdpa_bwd_p
 
     def rule(ctx, *args, **kw):
         # Multi-device jit: partition over batch/heads per shard (jax_sdpa/sharding.py).
         if sharding.needs_partitioning(ctx):
-            return sharding.lower_partitioned(ctx, direction, args, kw)
+            return sharding.lower_partitioned(ctx, prim, direction, args, kw)
         flags, params = _split_kwargs(kw)
         avals = ctx.avals_in
         # The optional operands start after q, k, v (fwd) or q, k, v, out, lse, dout (bwd).
         cfg = _config_from_avals([avals[0], avals[1], avals[2], avals[n_fixed],
                                   avals[n_fixed + 1]], flags, params)
         lowering_platform = platform or _platform_of(ctx)
-        name = dispatch.choose(cfg, lowering_platform, direction, params.implementation)
-        if name in ("xla", "xla_chunked"):
-            chunked = name == "xla_chunked"
+        plan = dispatch.plan(cfg, lowering_platform, direction, params.implementation)
+        if plan.target is None:  # xla / xla_chunked
+            chunked = plan.implementation == "xla_chunked"
 
             def fn(*a):
                 fixed, optional = a[:n_fixed], _real(a[n_fixed:], flags)
                 return ref(*fixed, *optional, params=params, chunked=chunked)
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-        target = dispatch.ffi_target(name, direction, cfg)
         attrs = _ffi_attrs(params, flags)
-        workspace_bytes = dispatch.ffi_workspace_bytes(target, cfg)
-        if workspace_bytes:
-            return _lower_with_workspace(ctx, target, args, attrs, workspace_bytes)
-        return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs)
+        if plan.workspace_bytes:
+            return _lower_with_workspace(ctx, plan.target, args, attrs, plan.workspace_bytes)
+        return jax.ffi.ffi_lowering(plan.target)(ctx, *args, **attrs)
 
     return rule
 

@@ -2,8 +2,9 @@
 
 Under `jax.jit` over several devices, XLA knows nothing about our primitives: a bare
 FFI custom call (or the reference lowering's reshapes) gets replicated, i.e. every
-operand is all-gathered. `primitives._lower` therefore hands a multi-device lowering to
-`lower_partitioned`, which wraps the same primitive in
+operand is all-gathered. `primitives._lower` therefore hands a multi-device lowering (and
+the primitive itself: this module imports none of ours) to `lower_partitioned`, which wraps
+the same primitive in
 `jax.experimental.custom_partitioning`:
 
 - a Shardy `sharding_rule` (einsum-like, GQA heads as `(k g)`) drives propagation, with
@@ -248,11 +249,9 @@ def _sharding_rule(layout: _Layout):
 # ---------------------------------------------------------------------------
 # the wrapped call
 
-def lower_partitioned(ctx, direction, args, kw):
-    """Lowering of sdpa_{fwd,bwd}_p as a custom_partitioning op (see module doc)."""
-    from jax_sdpa import primitives  # primitives imports us
-
-    prim = primitives.sdpa_fwd_p if direction == "fwd" else primitives.sdpa_bwd_p
+def lower_partitioned(ctx, prim, direction, args, kw):
+    """Lowering of `prim` (sdpa_fwd_p or sdpa_bwd_p, as `direction` says) as a
+    custom_partitioning op (see module doc)."""
     layout = _Layout.from_avals(direction, ctx.avals_in, kw["seq_major"])
     # Inside a partially manual shard_map the callback sees only the automatic axes'
     # devices: fine for independent shards, but a psum's replica groups would be wrong,

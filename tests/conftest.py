@@ -32,3 +32,18 @@ def rng(request):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"[{request.node.name}] numpy seed = {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def cuda_module():
+    """The `_sdpa_cuda` module, whose bindings dispatch asks for the CUDA kernels' facts
+    (workspace bytes, head dims, refusals). Skips where it is not built, unless
+    JAX_SDPA_EXPECT_CUDA=1 (CI builds it without a GPU) makes that a failure."""
+    from jax_sdpa import _ext
+
+    module = _ext.module("_sdpa_cuda")
+    if module is None:
+        if os.environ.get("JAX_SDPA_EXPECT_CUDA") == "1":
+            pytest.fail("the CUDA module is not built but JAX_SDPA_EXPECT_CUDA=1")
+        pytest.skip("the CUDA module is not built into this installation")
+    return module

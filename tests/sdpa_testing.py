@@ -2,9 +2,8 @@
 
 Every backend runs the same cases by being listed in `implementations_here()`;
 the oracles are independent of the code under test:
-- `oracle_forward`: attention in numpy float64, written from docs/ffi_contract.md;
-- `oracle_grads`: jax.grad of the exact reference in float64 (autodiff of the
-  forward, independent of our hand-written backward formulas);
+- `oracle_forward` / `oracle_grads`: jax_sdpa.oracle, attention and its gradients in numpy
+  float64, written from docs/ffi_contract.md (the tolerances are its policy too);
 - MLX on the CPU (tests/test_mlx_parity.py) and jax.nn's xla implementation
   (tests/test_jax_nn_contract.py).
 """
@@ -19,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import _ext, dispatch, reference
-from jax_sdpa.config import FP32_PRECISION_HIGHEST, StaticParams, current_fp32_precision
+from jax_sdpa import _ext, dispatch, oracle
+from jax_sdpa.config import FP32_PRECISION_HIGHEST, current_fp32_precision
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
 
@@ -126,66 +125,17 @@ def rounded_float64(x, dtype):
 
 
 # ---------------------------------------------------------------------------
-# float64 numpy oracle (MLX semantics; docs/ffi_contract.md)
+# the oracle: jax_sdpa.oracle (numpy float64, independent of the code under test)
 
 def oracle_forward(q, k, v, mask=None, sinks=None, query_seq_lengths=None,
                    key_value_seq_lengths=None, scale=None, window_left=-1, window_right=-1,
                    bottom_right=False):
     """q [B, Hq, Lq, D] ... in float64. mask: None | 'causal' | bool | additive array
     broadcastable to [B, Hq, Lq, Lk]. Returns (out [B, Hq, Lq, Dv], lse [B, Hq, Lq])."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, hq, lq, d = q.shape
-    hk, lk = k.shape[1], k.shape[2]
-    g = hq // hk
-    scale = 1.0 / np.sqrt(d) if scale is None else scale
-    k_full = np.repeat(k, g, axis=1)
-    v_full = np.repeat(v, g, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, k_full) * scale
-    if isinstance(mask, str):
-        assert mask == "causal"
-        window_right, bottom_right = 0, True
-        mask = None
-    visible = np.ones((b, hq, lq, lk), bool)
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype == bool:
-            visible &= np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape),
-                                       visible.shape)
-        else:
-            add = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-                                  .astype(np.float64), s.shape)
-            s = s + add
-            visible &= np.isfinite(add)
-    qlen = np.full(b, lq) if query_seq_lengths is None else np.clip(query_seq_lengths, 0, lq)
-    kvlen = np.full(b, lk) if key_value_seq_lengths is None else np.clip(
-        key_value_seq_lengths, 0, lk)
-    i = np.arange(lq)[:, None]
-    j = np.arange(lk)[None, :]
-    for bi in range(b):
-        vis = (i < qlen[bi]) & (j < kvlen[bi])
-        offset = kvlen[bi] - qlen[bi] if bottom_right else 0
-        dd = j - (i + offset)
-        if window_left >= 0:
-            vis &= dd >= -window_left
-        if window_right >= 0:
-            vis &= dd <= window_right
-        visible[bi] &= vis[None]
-    s = np.where(visible, s, -np.inf)
-    m = s.max(axis=-1)
-    if sinks is not None:
-        m = np.maximum(m, np.asarray(sinks, np.float64)[None, :, None])
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m_safe[..., None])
-    total = p.sum(-1)
-    if sinks is not None:
-        total = total + np.exp(np.asarray(sinks, np.float64)[None, :, None] - m_safe)
-    with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
-    padded = i[None, :, 0] >= qlen[:, None]  # [B, Lq]
-    lse = np.where(padded[:, None, :], -np.inf, lse)
-    p = np.where(np.isfinite(lse)[..., None], p / np.where(total > 0, total, 1)[..., None], 0)
-    out = np.einsum("bhij,bhjd->bhid", p, v_full)
-    return out, lse
+    return oracle.forward(q, k, v, scale=scale, mask=mask, sinks=sinks,
+                          q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths,
+                          window_left=window_left, window_right=window_right,
+                          bottom_right=bottom_right)
 
 
 def oracle_inputs_f64(inputs, dtype):
@@ -197,49 +147,31 @@ def oracle_inputs_f64(inputs, dtype):
 
 
 def oracle_grads(inputs, case, wrt):
-    """jax.grad of the exact reference in float64 (independent of our backward).
-    `inputs` as from random_inputs plus a "cotangent" [B, Hq, Lq, Dv]; `wrt` indexes
-    (q, k, v, mask, sinks). Returns numpy float64 gradients."""
-    with jax.enable_x64(True):
-        f64 = oracle_inputs_f64(inputs, case.dtype)
-        mask = f64["mask"]
-        params = StaticParams(scale=case.scale or 1.0 / np.sqrt(case.d))
-        if isinstance(mask, str):
-            params = StaticParams(scale=params.scale, window_right=0, bottom_right=True)
-            mask = None
-        elif mask is not None:
-            mask = jnp.asarray(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
-            if mask.dtype != jnp.bool_:
-                mask = mask.astype(jnp.float64)
-        sinks = None if f64["sinks"] is None else jnp.asarray(f64["sinks"], jnp.float64)[None]
-        ql, kvl = f64["query_seq_lengths"], f64["key_value_seq_lengths"]
-        ct = jnp.asarray(inputs["cotangent"], jnp.float64)
-
-        def loss(q, k, v, mask, sinks):
-            out, _ = reference.forward(q, k, v, mask, sinks,
-                                       None if ql is None else jnp.asarray(ql),
-                                       None if kvl is None else jnp.asarray(kvl), params,
-                                       precision=jax.lax.Precision.HIGHEST)
-            return jnp.sum(out * ct)
-
-        args = [jnp.asarray(f64[n], jnp.float64) for n in ("q", "k", "v")] + [mask, sinks]
-        grads = jax.grad(loss, argnums=wrt)(*args)
-        return [np.asarray(g) for g in grads]
+    """The oracle's float64 gradients (jax_sdpa.oracle.backward: from the forward's
+    probabilities, independent of our backward). `inputs` as from random_inputs plus a
+    "cotangent" [B, Hq, Lq, Dv]; `wrt` indexes (q, k, v, mask, sinks)."""
+    f64 = oracle_inputs_f64(inputs, case.dtype)
+    mask = f64["mask"]
+    if mask is not None and not isinstance(mask, str) and mask.dtype != np.bool_:
+        mask = np.asarray(mask, np.float64)
+    grads = oracle.backward(f64["q"], f64["k"], f64["v"], inputs["cotangent"],
+                            scale=case.scale or 1.0 / np.sqrt(case.d), mask=mask,
+                            sinks=f64["sinks"], q_lengths=f64["query_seq_lengths"],
+                            kv_lengths=f64["key_value_seq_lengths"])
+    names = ("dq", "dk", "dv", "dmask", "dsinks")
+    return [np.asarray(grads[names[i]]) for i in wrt]
 
 
 # ---------------------------------------------------------------------------
 # tolerances
 
-# fp32 relative to the largest output; TF32-class kernels get their own bound.
-FP32_RTOL = 1e-5
-FP32_GRAD_RTOL = 2e-5
-TF32_RTOL = 2e-3
-TF32_GRAD_RTOL = 2e-3  # the flash kernels' 92-case validation allowed 4e-3 for the backward
-
-# Implementations whose fp32 matmuls may run on TF32 tensor cores at JAX's default matmul
-# precision on an NVIDIA GPU: our CUDA flash kernels (fp32_precision = 0) and XLA's own
-# dots. (The CUDA decode kernel is fp32 exact, but "cuda" covers both kernels.)
-TF32_IMPLEMENTATIONS = frozenset({"cuda", "xla", "xla_chunked"})
+# One policy: jax_sdpa.oracle's.
+FP32_RTOL = oracle.FP32_RTOL
+FP32_GRAD_RTOL = oracle.FP32_GRAD_RTOL
+TF32_RTOL = oracle.TF32_RTOL
+TF32_GRAD_RTOL = oracle.TF32_GRAD_RTOL
+TF32_IMPLEMENTATIONS = oracle.TF32_IMPLEMENTATIONS
+LOW_PRECISION_FLOOR = oracle.LOW_PRECISION_FLOOR
 
 
 def fp32_rtol(impl, rtol=FP32_RTOL, grad=False):
@@ -248,22 +180,14 @@ def fp32_rtol(impl, rtol=FP32_RTOL, grad=False):
     GPU runs of the shared suite use) or where nothing rounds to TF32 (the CPU); at the
     default precision on a GPU, TF32_RTOL (TF32_GRAD_RTOL for gradients) for
     TF32_IMPLEMENTATIONS."""
-    if current_fp32_precision() == FP32_PRECISION_HIGHEST or jax.default_backend() != "gpu":
-        return rtol
-    if impl in TF32_IMPLEMENTATIONS:
+    tf32 = current_fp32_precision() != FP32_PRECISION_HIGHEST and jax.default_backend() == "gpu"
+    if tf32 and impl in TF32_IMPLEMENTATIONS:
         return max(rtol, TF32_GRAD_RTOL if grad else TF32_RTOL)
     return rtol
-LOW_PRECISION_FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 def max_rel_error(got, want):
-    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
-    want = np.asarray(want, np.float64)
-    # Inputs are unit normals, so outputs and gradients are O(1): the floor of 1 keeps an
-    # all-zero oracle (e.g. dq when every row sees a single key) from turning rounding
-    # noise into a huge relative error, and is then an absolute bound.
-    scale = max(np.max(np.abs(want)), 1.0) if want.size else 1.0
-    return float(np.max(np.abs(got - want)) / scale) if want.size else 0.0
+    return oracle.max_rel_error(got, want)
 
 
 def assert_no_nan(x, what="output"):
@@ -279,10 +203,8 @@ def assert_close(got, want, dtype, xla_same_dtype=None, rtol_fp32=FP32_RTOL, wha
     if dtype == "float32":
         assert err <= rtol_fp32, f"{what}: relative error {err:.3g} > {rtol_fp32:.1g}"
         return err
-    floor = LOW_PRECISION_FLOOR[dtype]
-    bound = floor
-    if xla_same_dtype is not None:
-        bound = 2 * max_rel_error(xla_same_dtype, want) + floor
+    bound = oracle.tolerance(dtype, xla_error=None if xla_same_dtype is None else
+                             max_rel_error(xla_same_dtype, want))
     assert err <= bound, f"{what}: relative error {err:.3g} > bound {bound:.3g} ({dtype})"
     return err
 

@@ -403,7 +403,7 @@ def test_per_batch_sinks_are_refused(key):
             q, k, v, sinks))
 
 
-def test_dispatch_rule_matches_the_graphs(monkeypatch):
+def test_dispatch_rule_matches_the_graphs(monkeypatch, cuda_module):
     """CPU: the rule in jax_sdpa/dispatch.py against what the H200 showed (cuDNN 9.19)."""
     from jax_sdpa import _ext, dispatch
     from jax_sdpa.config import Config, StaticParams

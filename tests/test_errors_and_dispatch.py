@@ -212,8 +212,9 @@ def _cfg(dtype="float32", b=2, hq=8, hk=2, lq=256, lk=256, d=64, dv=None, has_si
 
 
 @pytest.fixture
-def fake_h200(monkeypatch):
-    """Every backend built, cuDNN 9.19 on a compute capability 9.0 GPU."""
+def fake_h200(monkeypatch, cuda_module):
+    """Every backend built, cuDNN 9.19 on a compute capability 9.0 GPU (the CUDA kernels'
+    facts from the built module)."""
     from jax_sdpa import _ext, dispatch
     monkeypatch.setattr(_ext, "has_backend", lambda name: True)
     monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (9, 0)))
@@ -447,7 +448,7 @@ def test_cuda_routing_in_the_lowering(fake_h200):
         jnp.float32)), b, b, b)] == ["jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"]
 
 
-def test_cuda_decode_workspace_bytes():
+def test_cuda_decode_workspace_bytes(cuda_module):
     """The decode kernel's workspace (split-K partials + counters) against a hand count:
     n_max = min(256, 2 * 640 // units16 + 2, max(1, Lk // 16)), partial out n * rows * Dv
     f32 + partial lse n * rows f32 + counters units8 int32, each padded to 256 bytes."""

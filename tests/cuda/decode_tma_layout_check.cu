@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <set>
 
-#include "cuda/decode_tma.cuh"
+#include "cuda/decode/decode_tma.cuh"
 
 using namespace jax_sdpa::cuda_decode;
 

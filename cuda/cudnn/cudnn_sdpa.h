@@ -1,0 +1,55 @@
+// cuDNN SDPA (cudnn-frontend graphs) for the jax_sdpa kernel contract
+// (docs/ffi_contract.md). No XLA types here: ffi/cudnn_handler.cc decodes the
+// call into SdpaParams + buffers and hands over a scratch allocator.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "ffi/sdpa_params.h"
+
+namespace jax_sdpa::cudnn {
+
+// Device memory that lives until the FFI call returns (stream-ordered use only).
+class Scratch {
+ public:
+  virtual ~Scratch() = default;
+  // nullptr when the allocation fails.
+  virtual void* allocate(size_t bytes, size_t alignment) = 0;
+};
+
+struct Status {
+  enum Code { kOk = 0, kInvalidArgument, kUnimplemented, kResourceExhausted, kInternal };
+  Code code = kOk;
+  std::string message;
+
+  bool ok() const { return code == kOk; }
+  static Status Ok() { return {}; }
+  static Status Error(Code c, std::string m) { return {c, std::move(m)}; }
+};
+
+// out, lse = attention(q, k, v, ...): lse natural-log float32 [B, Hq, Lq];
+// rows with nothing to attend get out = 0 and lse = -inf (or the sink).
+Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t stream,
+                    Scratch& scratch);
+
+// dq, dk, dv from (q, k, v, out, lse, dout); dsinks / dmask are computed in JAX.
+Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t stream,
+                     Scratch& scratch);
+
+// Whether the graph asks cuDNN for a bottom-right aligned band: a causal / window bound that
+// excludes keys, bottom-right alignment, and Lq != Lk or lengths (the rules dispatch
+// applies to such calls: cuDNN >= 9.6, no bias).
+bool bottom_right_aligned(const SdpaParams& p, bool has_lengths);
+
+long runtime_version();   // cudnnGetVersion() of the loaded libcudnn
+long compiled_version();  // CUDNN_VERSION of the headers
+long frontend_version();  // CUDNN_FRONTEND_VERSION of the headers
+long graph_cache_size();
+long graph_cache_capacity();
+void clear_graph_cache();
+
+}  // namespace jax_sdpa::cudnn

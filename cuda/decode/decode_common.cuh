@@ -1,0 +1,480 @@
+// What every decode (few-query) kernel shares: split-K over keys, GQA rows packed per
+// block, cp.async 16-byte loads into a per-warp shared-memory ring, bf16/fp16 on
+// tensor cores and fp32 on CUDA cores; the argument struct, row and band helpers, the
+// block epilogue and the tile loaders. Host side: decode_attention.cu.
+//
+// Work decomposition (both kernels):
+//   blockIdx.x = ((b * Hk + kv_head) * row_chunks + row_chunk), blockIdx.y = split.
+//   A block owns RB query rows r = row_chunk * RB + rr of the kv head's R = G * Lq
+//   rows (row r is query head kv_head * G + r / Lq, query index r % Lq), and keys
+//   [ks0, ks1): the split's share of the union of its rows' visible key ranges
+//   (so a short kv_length reads only the valid prefix of a fixed-size cache).
+//   Each of the W warps streams its own 16-key tiles (w, w + W, ...) through an
+//   S-deep cp.async ring and keeps an online softmax (log2 domain) per row; the
+//   warps are merged in shared memory at the end. With one split the block
+//   writes out + lse itself (sinks, empty rows); otherwise it writes a
+//   normalized partial out and its lse to scratch and combine_kernel merges.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/common/device_helpers.cuh"
+#include "cuda/common/mma_helpers.cuh"
+#include "ffi/sdpa_params.h"
+
+namespace jax_sdpa {
+namespace cuda_decode {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kTileKeys = 16;
+
+// Everything a kernel needs, by value (kernel parameter space).
+struct Args {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  float* part_o;    // [splits][rows][Dv] normalized partial outputs
+  float* part_lse;  // [splits][rows] log2-domain lse of each split
+  int* counters;    // per block unit: splits done (fused combine), self-resetting; or null
+  int B, Hq, Hk, Lq, Lk, G, R;  // R = G * Lq rows per kv head
+  int RB, row_chunks, nsplit;
+  int64_t rows;  // B * Hq * Lq
+  int64_t qs[3], ks[3], vs[3], os[3];
+  float scale_log2;  // scale * log2(e)
+  int64_t wl, wr;
+  int bottom_right;
+  int mask_kind, mask_dtype;
+  const void* mask;
+  int64_t ms[4];
+  const float* sinks;
+  int64_t sinks_bs;
+  const int32_t* qlen;
+  const int32_t* kvlen;
+};
+
+// ---- small device helpers ----------------------------------------------------
+
+using cuda_common::cp_async16_l2;
+using cuda_common::kEvictFirst;
+using cuda_common::cp_async_commit;
+using cuda_common::cp_async_wait;
+using cuda_common::from_float;
+using cuda_common::pack2;
+using cuda_common::to_float;
+
+// D = A(16x16, row) * B(16x8, col) + D, f32 accumulators (cuda_common::mma16816, free to
+// schedule).
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  const uint32_t a[4] = {a0, a1, a2, a3};
+  cuda_common::mma16816<T, /*kVolatile=*/false>(d, a, b0, b1);
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t u4get(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Query head h and query index i of row r of kv head kvh's rows (r = (h - kvh G) Lq + i).
+// Plain decode (Lq = 1) skips the division: these run in every block's prologue.
+struct HeadQuery {
+  int h, i;
+};
+__device__ __forceinline__ HeadQuery head_query(const Args& a, int kvh, int r) {
+  if (a.Lq == 1) return {kvh * a.G + r, 0};
+  return {kvh * a.G + r / a.Lq, r % a.Lq};
+}
+
+// One query row of a block: which head / query it is and its visible key band.
+struct RowInfo {
+  int h, i;
+  int first, last;  // visible keys [first, last) before the mask; empty if invalid
+  int64_t mrow;     // mask offset of (b, h, i, 0)
+};
+
+__device__ __forceinline__ RowInfo row_info(const Args& a, int b, int kvh, int r, int qlen,
+                                            int kvlen) {
+  RowInfo ri;
+  ri.first = 0;
+  ri.last = 0;
+  ri.h = 0;
+  ri.i = 0;
+  ri.mrow = 0;
+  if (r >= a.R) return ri;
+  const HeadQuery hq = head_query(a, kvh, r);
+  ri.h = hq.h;
+  ri.i = hq.i;
+  ri.mrow = b * a.ms[0] + ri.h * a.ms[1] + ri.i * a.ms[2];
+  if (ri.i >= qlen) return ri;
+  const int64_t off = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  KeyRange kr = band_keys(ri.i, off, a.wl, a.wr, kvlen);
+  ri.first = static_cast<int>(kr.first);
+  ri.last = static_cast<int>(kr.last);
+  return ri;
+}
+
+// Applies visibility + additive mask to a scaled (log2-domain) score.
+__device__ __forceinline__ float masked_score(const Args& a, float s2, int j, int first, int last,
+                                              int64_t mrow) {
+  if (j < first || j >= last) return -INFINITY;
+  if (a.mask_kind == static_cast<int>(MaskKind::kBool)) {
+    if (reinterpret_cast<const uint8_t*>(a.mask)[mrow + j * a.ms[3]] == 0) return -INFINITY;
+  } else if (a.mask_kind == static_cast<int>(MaskKind::kAdditive)) {
+    const int64_t idx = mrow + j * a.ms[3];
+    float mv;
+    if (a.mask_dtype == static_cast<int>(DType::kF32))
+      mv = reinterpret_cast<const float*>(a.mask)[idx];
+    else if (a.mask_dtype == static_cast<int>(DType::kF16))
+      mv = __half2float(reinterpret_cast<const __half*>(a.mask)[idx]);
+    else
+      mv = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.mask)[idx]);
+    s2 += mv * kLog2e;  // -inf stays -inf: the key becomes invisible
+  }
+  return s2;
+}
+
+// A row's output scale and lse from its log2-domain max M and sum L = sum exp2(s - M):
+// folds in the sink; scale = 0 and lse = -inf for a row with nothing visible or past
+// q_length. out = (unnormalized o) * scale.
+__device__ __forceinline__ void row_normalizer(const Args& a, int b, int h, int i, int qlen,
+                                               float M, float L, float* scale, float* lse) {
+  *scale = 0.f;
+  *lse = -INFINITY;
+  if (i >= qlen) return;
+  const float sk = a.sinks != nullptr ? a.sinks[b * a.sinks_bs + h] * kLog2e : -INFINITY;
+  const float M2 = fmaxf(M, sk);
+  if (M2 == -INFINITY) return;
+  const float fo = (M == -INFINITY) ? 0.f : exp2f(M - M2);
+  const float L2 = L * fo + exp2f(sk - M2);
+  if (L2 > 0.f) {
+    *scale = __fdividef(fo, L2);  // L2 in [tiny, 2^32]: no IEEE slow-path call
+    *lse = (M2 + log2f(L2)) * kLn2;
+  }
+}
+
+// Four consecutive outputs (dst 4-element aligned: every built Dv is a multiple of 4).
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 o) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(dst) = o;
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+  }
+}
+
+__device__ __forceinline__ int64_t out_offset(const Args& a, int b, int h, int i) {
+  return b * a.os[0] + h * a.os[1] + i * a.os[2];
+}
+
+// Merges the block's warps after the key loop. Shared memory: red_m/red_l [W][16],
+// red_o [W][16][DV] (each warp's max, sum and unnormalized output per row).
+// One thread per row first folds the warps' max/sum (and the sink, or the split's
+// lse) into per-warp coefficients, so that the wide pass over the block's RB x DV
+// outputs is W float4 loads and FMAs per 4 outputs. XW more warps (after the W that
+// computed: decode_tma_kernel's producer) pass the barriers and take no work.
+template <typename T, int DV, int W, int XW = 0>
+__device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, int b,
+                                             int kvh, int r0, int split, int qlen) {
+  const float* red_m = red;
+  const float* red_l = red + W * 16;
+  const float* red_o = red + 2 * W * 16;
+  const int nthreads = W * 32;
+  const bool idle = XW > 0 && threadIdx.x >= nthreads;
+  __shared__ float s_coef[16][W];
+  __shared__ int64_t s_dst[16];  // element offset of the row's dv 0 in out / part_o; -1: none
+  if (threadIdx.x < RB) {
+    const int rr = threadIdx.x, r = r0 + rr;
+    int64_t dst = -1;
+    float f[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) f[w] = 0.f;
+    if (r < a.R) {
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
+      const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
+      float L = 0.f;
+      if (M != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const float mw = red_m[w * 16 + rr];
+          f[w] = mw == -INFINITY ? 0.f : exp2f(mw - M);
+          L += f[w] * red_l[w * 16 + rr];
+        }
+      }
+      float scale, lse;
+      if (a.nsplit == 1) {
+        row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
+        a.lse[grow] = lse;
+        dst = out_offset(a, b, h, i);
+      } else {
+        const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
+        scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
+        a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+        dst = pr * DV;
+      }
+#pragma unroll
+      for (int w = 0; w < W; ++w) f[w] *= scale;
+    }
+#pragma unroll
+    for (int w = 0; w < W; ++w) s_coef[rr][w] = f[w];
+    s_dst[rr] = dst;
+  }
+  __syncthreads();
+  constexpr int DV4 = DV / 4;
+  for (int idx = idle ? RB * DV4 : threadIdx.x; idx < RB * DV4; idx += nthreads) {
+    const int rr = idx / DV4, c = idx - rr * DV4;
+    const int64_t dst = s_dst[rr];
+    if (dst < 0) continue;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float cw = s_coef[rr][w];
+      const float4 x = *reinterpret_cast<const float4*>(red_o + (w * 16 + rr) * DV + 4 * c);
+      o.x = fmaf(cw, x.x, o.x);
+      o.y = fmaf(cw, x.y, o.y);
+      o.z = fmaf(cw, x.z, o.z);
+      o.w = fmaf(cw, x.w, o.w);
+    }
+    if (a.nsplit == 1)
+      store4<T>(reinterpret_cast<T*>(a.out) + dst + 4 * c, o);
+    else
+      *reinterpret_cast<float4*>(a.part_o + dst + 4 * c) = o;
+  }
+  if (a.nsplit == 1 || a.counters == nullptr) return;
+
+  // Fused combine: the last split block of this unit to finish merges all the
+  // splits (saves the combine launch and its wait). Release: partials, fence,
+  // count; acquire: count, fence, L2 reads (__ldcg: never a stale L1 line).
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(&a.counters[blockIdx.x], 1);
+    s_last = prev == a.nsplit - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // One serial pass over the splits per output element is latency-bound (seen:
+  // 100-250 us at 8-33 splits), so: (1) a warp per row reduces the splits' lse
+  // to M, L and per-split weights in smem (the warp partials in `red` are dead:
+  // every thread passed the barrier above); (2) each thread accumulates float4s
+  // of the weighted partials with independent loads in flight. nsplit <= 256
+  // (host) keeps the weights within every kernel's smem.
+  float* wts = red;                          // [RB][nsplit]
+  float* rowM = red + RB * a.nsplit;         // [RB]
+  float* rowL = rowM + RB;                   // [RB]
+  {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int rr = idle ? RB : warp; rr < RB; rr += W) {  // warp-uniform loop
+      const int r = r0 + rr;
+      if (r >= a.R) continue;
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
+      const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+      float M = -INFINITY;
+      for (int sp = lane; sp < a.nsplit; sp += 32)
+        M = fmaxf(M, __ldcg(a.part_lse + sp * a.rows + grow));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+      float L = 0.f;
+      for (int sp = lane; sp < a.nsplit; sp += 32) {
+        const float ls = __ldcg(a.part_lse + sp * a.rows + grow);
+        const float wgt = (M == -INFINITY || ls == -INFINITY) ? 0.f : exp2f(ls - M);
+        wts[rr * a.nsplit + sp] = wgt;
+        L += wgt;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+      if (lane == 0) {
+        rowM[rr] = M;
+        rowL[rr] = L;
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = idle ? RB * DV4 : threadIdx.x; idx < RB * DV4; idx += nthreads) {
+    const int rr = idx / DV4, c = idx - rr * DV4;
+    const int r = r0 + rr;
+    if (r >= a.R) continue;
+    const HeadQuery hq = head_query(a, kvh, r);
+    const int h = hq.h, i = hq.i;
+    const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
+    const float* src = a.part_o + grow * DV + 4 * c;
+    const int64_t sstride = a.rows * DV;
+    const float* w = wts + rr * a.nsplit;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int sp = 0; sp < a.nsplit; ++sp) {
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(src + sp * sstride));
+      const float wgt = w[sp];
+      o.x = fmaf(wgt, x.x, o.x);
+      o.y = fmaf(wgt, x.y, o.y);
+      o.z = fmaf(wgt, x.z, o.z);
+      o.w = fmaf(wgt, x.w, o.w);
+    }
+    float scale, lse;
+    row_normalizer(a, b, h, i, qlen, rowM[rr], rowL[rr], &scale, &lse);
+    if (c == 0) a.lse[grow] = lse;
+    store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
+              make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
+  }
+  if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;  // ready for the next call on this stream
+}
+
+// The block's key range [ks0, ks1) for this split: the union of its rows' ranges cut
+// into nsplit chunks of a multiple of GRAN keys (the kernel's key step).
+template <int GRAN = kTileKeys>
+__device__ __forceinline__ void split_range(const Args& a, int r0, int RB, int split, int qlen,
+                                            int kvlen, int* ks0, int* ks1) {
+  // A row's keys depend only on its query i = r % Lq, and the block's rows r0 .. r1 - 1
+  // are consecutive: their i run through min(r1 - r0, Lq) distinct values from r0 % Lq.
+  // So visit each once (one, not RB, for plain decode), with one division: this runs
+  // before the producer's first copy.
+  int kb0 = INT_MAX, kb1 = 0;
+  const int n = min(min(r0 + RB, a.R) - r0, a.Lq);
+  const int64_t off = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  int i = r0 % a.Lq;
+  for (int k = 0; k < n; ++k, i = (i + 1 == a.Lq ? 0 : i + 1)) {
+    if (i >= qlen) continue;
+    const KeyRange kr = band_keys(i, off, a.wl, a.wr, kvlen);
+    if (kr.last > kr.first) {
+      kb0 = min(kb0, static_cast<int>(kr.first));
+      kb1 = max(kb1, static_cast<int>(kr.last));
+    }
+  }
+  if (kb1 <= kb0) {
+    *ks0 = *ks1 = 0;
+    return;
+  }
+  int chunk = (kb1 - kb0 + a.nsplit - 1) / a.nsplit;
+  chunk = (chunk + GRAN - 1) / GRAN * GRAN;
+  const long long s0 = kb0 + static_cast<long long>(split) * chunk;
+  *ks0 = static_cast<int>(s0 < kb1 ? s0 : kb1);
+  *ks1 = static_cast<int>(min(static_cast<long long>(kb1), s0 + chunk));
+  if (*ks1 < *ks0) *ks1 = *ks0;
+}
+
+// What a block owns (work decomposition at the top of this file): batch b, kv head kvh,
+// its rows' first row r0 (RB rows a block), the key split, and the batch row's lengths.
+// The split's keys come from split_range.
+struct BlockWork {
+  int b, kvh, r0, split, qlen, kvlen;
+};
+__device__ __forceinline__ BlockWork block_work(const Args& a, int RB) {
+  BlockWork wk;
+  // (One row chunk, the usual case, skips a division.)
+  const int rc = a.row_chunks == 1 ? 0 : blockIdx.x % a.row_chunks;
+  const int bk = a.row_chunks == 1 ? blockIdx.x : blockIdx.x / a.row_chunks;
+  wk.kvh = bk % a.Hk;
+  wk.b = bk / a.Hk;
+  wk.split = blockIdx.y;
+  wk.qlen = static_cast<int>(clamp_length(a.qlen, wk.b, a.Lq));
+  wk.kvlen = static_cast<int>(clamp_length(a.kvlen, wk.b, a.Lk));
+  wk.r0 = rc * RB;
+  return wk;
+}
+
+// The block's query rows r0 .. r0 + NROWS - 1 -> smem rows of QP elements (zeros past
+// the RB rows of the block or the R rows of the group), 16 bytes a thread and step.
+template <typename T, int D, int QP, int NROWS, int RB, int NTHR>
+__device__ __forceinline__ void load_q_rows(T* Qs, const Args& a, int b, int kvh, int r0,
+                                            int tid) {
+  constexpr int EPV = 16 / sizeof(T);
+  constexpr int QC = D / EPV;
+  for (int idx = tid; idx < NROWS * QC; idx += NTHR) {
+    const int rr = idx / QC, c = idx - rr * QC;
+    const int r = r0 + rr;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (rr < RB && r < a.R) {
+      const HeadQuery hq = head_query(a, kvh, r);
+      const int h = hq.h, i = hq.i;
+      const T* src =
+          reinterpret_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + c * EPV;
+      val = *reinterpret_cast<const uint4*>(src);
+    }
+    *reinterpret_cast<uint4*>(Qs + rr * QP + c * EPV) = val;
+  }
+}
+
+// Copies 16 rows (keys j0..j0+15) of C 16-byte chunks each into smem rows of P
+// elements with NTHR threads that tile whole rows (NTHR % C == 0: NTHR / C keys a step);
+// rows >= jend are zero-filled (never read: a fixed-size cache may hold garbage past its
+// length). Each thread keeps one source pointer and steps it by a constant: a few
+// instructions per 16-byte copy instead of an index division and a 64-bit multiply each.
+template <typename T, int C, int P, int PF, int NTHR>
+__device__ __forceinline__ void load_rows_by(T* dst, const T* base, int64_t st, int j0, int jend,
+                                             int tid) {
+  constexpr int EPV = 16 / sizeof(T);
+  static_assert(NTHR % C == 0 && kTileKeys % (NTHR / C) == 0, "decode: copy shape");
+  constexpr int KPI = NTHR / C;
+  const int key0 = tid / C, c = tid % C;
+  const T* src = base + static_cast<int64_t>(j0 + key0) * st + c * EPV;
+  T* d = dst + key0 * P + c * EPV;
+#pragma unroll
+  for (int m = 0; m < kTileKeys / KPI; ++m) {
+    const bool ok = j0 + key0 + m * KPI < jend;
+    cp_async16_l2<PF>(d + m * KPI * P, ok ? src : base, ok);
+    src += KPI * st;
+  }
+}
+
+// The same with one warp: load_rows_by when its 32 lanes tile whole rows (32 % C == 0);
+// when a row is whole warps (C % 32 == 0) each lane steps its pointer key by key.
+template <typename T, int C, int P, int PF>
+__device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int j0, int jend,
+                                          int lane) {
+  constexpr int EPV = 16 / sizeof(T);
+  if constexpr (32 % C == 0) {
+    load_rows_by<T, C, P, PF, 32>(dst, base, st, j0, jend, lane);
+  } else if constexpr (C % 32 == 0) {
+    const T* src = base + static_cast<int64_t>(j0) * st + lane * EPV;
+    T* d = dst + lane * EPV;
+#pragma unroll 4
+    for (int key = 0; key < kTileKeys; ++key) {
+      const bool ok = j0 + key < jend;
+#pragma unroll
+      for (int q = 0; q < C / 32; ++q)
+        cp_async16_l2<PF>(d + key * P + 32 * q * EPV, ok ? src + 32 * q * EPV : base, ok);
+      src += st;
+    }
+  } else {
+#pragma unroll 4
+    for (int idx = lane; idx < kTileKeys * C; idx += 32) {
+      const int key = idx / C, c = idx - key * C;
+      const int j = j0 + key;
+      const bool ok = j < jend;
+      cp_async16_l2<PF>(dst + key * P + c * EPV, base + (ok ? j * st : 0) + c * EPV, ok);
+    }
+  }
+}
+
+// Issues the cp.async copies of one 16-key tile of K (D wide) and V (DV wide)
+// into a ring stage [16][DP] + [16][DVP]; PF: L2 prefetch bytes (0, 128, 256).
+template <typename T, int D, int DV, int DP, int DVP, int PF>
+__device__ __forceinline__ void load_tile(T* stage, const T* kbase, const T* vbase, int64_t kst,
+                                          int64_t vst, int j0, int jend, int lane) {
+  constexpr int EPV = 16 / sizeof(T);
+  load_rows<T, D / EPV, DP, PF>(stage, kbase, kst, j0, jend, lane);
+  load_rows<T, DV / EPV, DVP, PF>(stage + kTileKeys * DP, vbase, vst, j0, jend, lane);
+}
+
+}  // namespace cuda_decode
+}  // namespace jax_sdpa

@@ -1,0 +1,527 @@
+// Flash-attention prefill forward: the generic kernel and what every flash kernel shares (docs/cuda_flash.md).
+//
+// Work decomposition: blockIdx.x = q_tile * n_dv_chunks + dv_chunk,
+// blockIdx.y = query head, blockIdx.z = batch. A block (4 warps, 128 threads)
+// owns 64 query rows (16 per warp) and DVC output columns of Dv. Q's 64 rows
+// stay in shared memory for the whole key loop; keys stream in 64-key blocks:
+// S = Q K^T over D in 64-column chunks of K (cp.async into shared memory),
+// then the online softmax in registers, then O += P V over this block's DVC
+// columns of V. When Dv > DVC the S computation is repeated by each of the
+// n_dv_chunks blocks of a tile (the price of a small register footprint at
+// head dim 512; see docs/cuda_flash.md for the planned fix).
+//
+// Tensor cores: mma.sync m16n8k8 with f32 accumulation for every dtype:
+// tf32 (fp32 inputs, optionally split into hi + lo tf32 parts, "3xTF32", for
+// ~fp32 accuracy), f16 and bf16. m16n8k8 keeps one fragment code path per
+// dtype and lets any head dim that is a multiple of 8 run without padding.
+//
+// Masking follows ffi/sdpa_params.h: the key loop covers only the union of the
+// tile's band ranges (band/causal block skipping, kv length); each score is
+// then checked against the row's exact visibility (length, band, bool mask,
+// additive mask). Rows i >= q_len produce out = 0, lse = -inf.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/flash/flash_attention.h"
+#include "cuda/common/device_helpers.cuh"
+#include "cuda/common/mma_helpers.cuh"
+#include "ffi/sdpa_params.h"
+
+namespace jax_sdpa {
+namespace cuda_flash {
+
+constexpr int kBM = 64;       // query rows per block
+constexpr int kBN = 64;       // keys per key block
+constexpr int kDK = 64;       // head-dim columns of K per shared-memory chunk
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kPadBytes = 16;  // per shared-memory row: 16-byte aligned, fewer bank conflicts
+
+// mode: 0 = 16-bit inputs, 1 = tf32, 2 = 3xTF32.
+struct FwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  int B, Hq, G, Lq, Lk, D, Dv;
+  int n_dv_chunks;
+  int64_t qs[3], ks[3], vs[3], os[3];
+  float scale;
+  int64_t wl, wr;
+  int bottom_right;
+  int mask_kind, mask_dtype;
+  const void* mask;
+  int64_t ms[4];
+  const float* sinks;
+  int64_t sinks_bs;
+  const int32_t* qlen;
+  const int32_t* kvlen;
+};
+
+// ---- device helpers -------------------------------------------------------------
+
+using cuda_common::cp_async16;
+using cuda_common::cp_async_commit;
+using cuda_common::cp_async_wait;
+using cuda_common::from_float;
+using cuda_common::pack2;
+using cuda_common::to_float;
+using cuda_common::cp_async4;
+using cuda_common::fast_exp2;
+using cuda_common::ldmatrix_x4;
+using cuda_common::ldmatrix_x4_ordered;
+using cuda_common::ldmatrix_x4_trans;
+using cuda_common::ldmatrix_x4_trans_ordered;
+using cuda_common::mma16816;
+using cuda_common::mma_tf32;
+using cuda_common::mma_tf32x3;
+using cuda_common::round_tf32;
+using cuda_common::to_tf32;
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
+  const uint32_t a = *reinterpret_cast<const uint16_t*>(&lo);
+  const uint32_t b = *reinterpret_cast<const uint16_t*>(&hi);
+  return a | (b << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0);
+template <>
+__device__ __forceinline__ void mma_16<__half>(float (&d)[4], uint32_t a0, uint32_t a1,
+                                               uint32_t b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+template <>
+__device__ __forceinline__ void mma_16<__nv_bfloat16>(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                      uint32_t b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// f32 x f32 -> f32 through tf32 tensor cores: one mma (tf32) or three (3xTF32:
+// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi, small terms first: mma_tf32x3).
+template <int kMode>
+__device__ __forceinline__ void mma_f32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+  uint32_t ah[4], bh[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ah[i] = to_tf32(a[i]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) bh[i] = to_tf32(b[i]);
+  if constexpr (kMode == 2) {
+    uint32_t al[4], bl[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) al[i] = to_tf32(a[i] - __uint_as_float(ah[i]));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) bl[i] = to_tf32(b[i] - __uint_as_float(bh[i]));
+    mma_tf32x3(d, ah, al, bh, bl);
+  } else {
+    mma_tf32(d, ah, bh);
+  }
+}
+
+// Copies rows [0, nrows) x columns [c0, c0 + ncols) of a global matrix (row
+// stride `gstride` elements) into shared memory (row stride `sstride` bytes),
+// 16 bytes per cp.async; rows >= valid_rows and columns >= valid_cols are zero.
+// ncols and valid_cols are multiples of 16 / sizeof(T) (head dims are multiples of 8).
+template <typename T>
+__device__ __forceinline__ void load_tile(char* smem, int sstride, const T* g, int64_t gstride,
+                                          int nrows, int valid_rows, int c0, int ncols,
+                                          int valid_cols) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int vecs_per_row = ncols / kVec;
+  const int total = nrows * vecs_per_row;
+  for (int x = threadIdx.x; x < total; x += kThreads) {
+    const int r = x / vecs_per_row;
+    const int c = (x - r * vecs_per_row) * kVec;
+    const bool ok = r < valid_rows && c0 + c < valid_cols;
+    const T* src = ok ? g + r * gstride + c0 + c : g;
+    cp_async16(smem + r * sstride + c * static_cast<int>(sizeof(T)), src, ok);
+  }
+}
+
+// Keys [lo, hi) that some valid row of the query tile [q0, q0 + bm) may see (its band and
+// the kv length; hi >= lo), both 0 for a tile past qlen: the forwards' block skipping.
+__device__ __forceinline__ void tile_key_range(const FwdArgs& a, int q0, int bm, int qlen,
+                                               int kvlen, int64_t offset, int* lo, int* hi) {
+  int key_lo = 0, key_hi = 0;
+  if (q0 < qlen) {
+    const int last_row = min(q0 + bm, qlen) - 1;
+    key_lo = static_cast<int>(band_keys(q0, offset, a.wl, a.wr, kvlen).first);
+    key_hi = static_cast<int>(band_keys(last_row, offset, a.wl, a.wr, kvlen).last);
+    if (key_hi < key_lo) key_hi = key_lo;
+  }
+  *lo = key_lo;
+  *hi = key_hi;
+}
+
+__device__ __forceinline__ float mask_value(const FwdArgs& a, int b, int h, int i, int j,
+                                            bool* visible) {
+  if (a.mask_kind == 0) return 0.f;
+  const int64_t idx = b * a.ms[0] + h * a.ms[1] + static_cast<int64_t>(i) * a.ms[2] +
+                      static_cast<int64_t>(j) * a.ms[3];
+  if (a.mask_kind == 1) {
+    if (!static_cast<const bool*>(a.mask)[idx]) *visible = false;
+    return 0.f;
+  }
+  float m;
+  if (a.mask_dtype == 0) m = static_cast<const float*>(a.mask)[idx];
+  else if (a.mask_dtype == 1) m = __half2float(static_cast<const __half*>(a.mask)[idx]);
+  else m = __bfloat162float(static_cast<const __nv_bfloat16*>(a.mask)[idx]);
+  if (m == -INFINITY) *visible = false;
+  return m;
+}
+
+// Whether every row of the query tile [q0, q0 + bm) sees every key of [kb, kb + bn): no
+// mask tensor, inside both lengths and the band. Such tiles skip the per-element checks.
+__device__ __forceinline__ bool tile_all_visible(const FwdArgs& a, int q0, int bm, int kb, int bn,
+                                                 int qlen, int kvlen, int64_t offset) {
+  return a.mask_kind == 0 && kb + bn <= kvlen && q0 + bm <= qlen &&
+         (a.wr < 0 || static_cast<int64_t>(kb + bn - 1) - (q0 + offset) <= a.wr) &&
+         (a.wl < 0 || static_cast<int64_t>(kb) - (q0 + bm - 1 + offset) >= -a.wl);
+}
+
+// The kBr-row query tiles a backward key block [k0, k0 + kvalid) must visit: those holding
+// a query i whose band reaches the block, i in [j - offset - wr, j - offset + wl] for some
+// key j of it. n_qt = 0 when none does (or the block has no keys).
+struct QueryTiles {
+  int qb_lo, n_qt;  // first tile's row, tile count
+};
+template <int kBr>
+__device__ __forceinline__ QueryTiles band_query_tiles(const FwdArgs& f, int k0, int kvalid,
+                                                       int qlen, int64_t offset) {
+  int64_t i_lo = 0, i_hi = qlen;
+  if (f.wr >= 0 && k0 - offset - f.wr > i_lo) i_lo = k0 - offset - f.wr;
+  if (f.wl >= 0 && k0 + kvalid - offset + f.wl < i_hi) i_hi = k0 + kvalid - offset + f.wl;
+  QueryTiles qt{0, 0};
+  if (kvalid > 0 && i_hi > i_lo) {
+    qt.qb_lo = static_cast<int>((i_lo / kBr) * kBr);
+    qt.n_qt = static_cast<int>((i_hi - qt.qb_lo + kBr - 1) / kBr);
+  }
+  return qt;
+}
+
+// Score x (scaled, base 2) of query row i and key j, or -inf where the row may not see
+// the key (lengths, band); the mask added (log2e-scaled) or applied.
+__device__ __forceinline__ float visible_score(const FwdArgs& a, int b, int h, int i, int j,
+                                               int qlen, int kvlen, int64_t offset, float x) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  bool vis = i < qlen && j < kvlen;
+  if (vis) {
+    const int64_t dd = static_cast<int64_t>(j) - (i + offset);
+    if (a.wl >= 0 && dd < -a.wl) vis = false;
+    if (a.wr >= 0 && dd > a.wr) vis = false;
+  }
+  if (vis && a.mask_kind != 0) x += mask_value(a, b, h, i, j, &vis) * kLog2e;
+  return vis ? x : -INFINITY;
+}
+
+// ---- the forward kernel -------------------------------------------------------------
+
+template <typename T, int kMode, int kDVC>
+__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
+  constexpr int kNT = kBN / 8;   // n8 tiles of S per warp
+  constexpr int kOT = kDVC / 8;  // n8 tiles of O per warp
+  extern __shared__ __align__(16) char smem[];
+  const int q_stride_b = a.D * static_cast<int>(sizeof(T)) + kPadBytes;
+  constexpr int k_stride_b = kDK * static_cast<int>(sizeof(T)) + kPadBytes;
+  constexpr int v_stride_b = kDVC * static_cast<int>(sizeof(T)) + kPadBytes;
+  constexpr int p_stride = kBN + 4;  // floats, fp32 modes only
+  char* sQ = smem;
+  char* sK = sQ + kBM * q_stride_b;
+  char* sV = sK + kBN * k_stride_b;
+  float* sP = reinterpret_cast<float*>(sV + kBN * v_stride_b);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int q_tile = blockIdx.x / a.n_dv_chunks;
+  const int dv_chunk = blockIdx.x - q_tile * a.n_dv_chunks;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / a.G;
+  const int q0 = q_tile * kBM;
+  const int c0v = dv_chunk * kDVC;
+
+  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
+  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
+  const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+
+  const T* Q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
+  const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
+  const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
+
+  // Keys any valid row of the tile may see (band + kv length): block skipping.
+  int key_lo, key_hi;
+  tile_key_range(a, q0, kBM, qlen, kvlen, offset, &key_lo, &key_hi);
+
+  // Q tile -> shared memory (rows beyond Lq are zero).
+  load_tile<T>(sQ, q_stride_b, Q + static_cast<int64_t>(q0) * a.qs[2], a.qs[2], kBM,
+               min(kBM, a.Lq - q0), 0, a.D, a.D);
+  cp_async_commit();
+
+  // Per thread: rows r0 = warp*16 + g and r1 = r0 + 8 of the tile.
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  float m[2], l[2];
+  float acc[kOT][4];
+#pragma unroll
+  for (int n = 0; n < kOT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    if (a.sinks != nullptr && row[r] < qlen) {
+      m[r] = a.sinks[b * a.sinks_bs + h];  // exp(sink - m) = 1
+      l[r] = 1.f;
+    }
+  }
+
+  const int kb_begin = (key_lo / kBN) * kBN;
+  for (int kb = kb_begin; kb < key_hi; kb += kBN) {
+    const int kvalid = kvlen - kb;  // keys >= kvlen are zero-filled
+    float s[kNT][4];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+
+    // ---- S = Q K^T, D in chunks of kDK ----
+    for (int d0 = 0; d0 < a.D; d0 += kDK) {
+      const int dk = min(kDK, a.D - d0);
+      __syncthreads();  // previous users of sK are done
+      load_tile<T>(sK, k_stride_b, K + static_cast<int64_t>(kb) * a.ks[2], a.ks[2], kBN, kvalid,
+                   d0, dk, a.D);
+      // Last chunk: also start V's copy (overlaps the last S chunk).
+      if (d0 + kDK >= a.D)
+        load_tile<T>(sV, v_stride_b, V + static_cast<int64_t>(kb) * a.vs[2], a.vs[2], kBN,
+                     kvalid, c0v, kDVC, a.Dv);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      const char* qbase = sQ + (warp * 16) * q_stride_b + d0 * static_cast<int>(sizeof(T));
+      for (int kk = 0; kk < dk; kk += 8) {
+        if constexpr (kMode == 0) {
+          const char* qa = qbase + kk * 2;
+          const uint32_t a0 = *reinterpret_cast<const uint32_t*>(qa + g * q_stride_b + t * 4);
+          const uint32_t a1 =
+              *reinterpret_cast<const uint32_t*>(qa + (g + 8) * q_stride_b + t * 4);
+#pragma unroll
+          for (int n = 0; n < kNT; ++n) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(
+                sK + (n * 8 + g) * k_stride_b + kk * 2 + t * 4);
+            mma_16<T>(s[n], a0, a1, b0);
+          }
+        } else {
+          const char* qa = qbase + kk * 4;
+          const float af[4] = {
+              *reinterpret_cast<const float*>(qa + g * q_stride_b + t * 4),
+              *reinterpret_cast<const float*>(qa + (g + 8) * q_stride_b + t * 4),
+              *reinterpret_cast<const float*>(qa + g * q_stride_b + (t + 4) * 4),
+              *reinterpret_cast<const float*>(qa + (g + 8) * q_stride_b + (t + 4) * 4)};
+#pragma unroll
+          for (int n = 0; n < kNT; ++n) {
+            const char* kr = sK + (n * 8 + g) * k_stride_b + kk * 4;
+            const float bf[2] = {*reinterpret_cast<const float*>(kr + t * 4),
+                                 *reinterpret_cast<const float*>(kr + (t + 4) * 4)};
+            mma_f32<kMode>(s[n], af, bf);
+          }
+        }
+      }
+    }
+
+    // ---- scale, mask, online softmax ----
+    float mnew[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int i = row[r];
+        const int j = kb + n * 8 + 2 * t + (e & 1);
+        bool vis = i < qlen && j < kvlen;
+        if (vis) {
+          const int64_t dd = static_cast<int64_t>(j) - (i + offset);
+          if (a.wl >= 0 && dd < -a.wl) vis = false;
+          if (a.wr >= 0 && dd > a.wr) vis = false;
+        }
+        float x = s[n][e] * a.scale;
+        if (vis) x += mask_value(a, b, h, i, j, &vis);
+        x = vis ? x : -INFINITY;
+        s[n][e] = x;
+        mnew[r] = fmaxf(mnew[r], x);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
+      mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
+      const float mu = mnew[r] == -INFINITY ? 0.f : mnew[r];
+      alpha[r] = kMode == 2 ? expf(m[r] - mu) : __expf(m[r] - mu);
+      m[r] = mnew[r];
+      mnew[r] = mu;  // the subtrahend for this block's exponentials
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const float p = kMode == 2 ? expf(s[n][e] - mnew[r]) : __expf(s[n][e] - mnew[r]);
+        s[n][e] = p;
+        rowsum[r] += p;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rowsum[r] += __shfl_xor_sync(0xffffffffu, rowsum[r], 1);
+      rowsum[r] += __shfl_xor_sync(0xffffffffu, rowsum[r], 2);
+      l[r] = l[r] * alpha[r] + rowsum[r];
+    }
+#pragma unroll
+    for (int n = 0; n < kOT; ++n) {
+      acc[n][0] *= alpha[0];
+      acc[n][1] *= alpha[0];
+      acc[n][2] *= alpha[1];
+      acc[n][3] *= alpha[1];
+    }
+
+    // ---- O += P V (V chunk already in shared memory) ----
+    if constexpr (kMode == 0) {
+      // The accumulator fragment of S's n8 tile j is the A fragment of k-chunk j.
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const uint32_t a0 = pack2<T>(s[j][0], s[j][1]);
+        const uint32_t a1 = pack2<T>(s[j][2], s[j][3]);
+        const T* v0 = reinterpret_cast<const T*>(sV + (j * 8 + 2 * t) * v_stride_b);
+        const T* v1 = reinterpret_cast<const T*>(sV + (j * 8 + 2 * t + 1) * v_stride_b);
+#pragma unroll
+        for (int n = 0; n < kOT; ++n) {
+          const uint32_t b0 = pack2_raw<T>(v0[n * 8 + g], v1[n * 8 + g]);
+          mma_16<T>(acc[n], a0, a1, b0);
+        }
+      }
+    } else {
+      // fp32: P goes through this warp's shared-memory slice to reach the A layout.
+      float* P = sP + warp * 16 * p_stride;
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+        P[g * p_stride + n * 8 + 2 * t] = s[n][0];
+        P[g * p_stride + n * 8 + 2 * t + 1] = s[n][1];
+        P[(g + 8) * p_stride + n * 8 + 2 * t] = s[n][2];
+        P[(g + 8) * p_stride + n * 8 + 2 * t + 1] = s[n][3];
+      }
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const float af[4] = {P[g * p_stride + j * 8 + t], P[(g + 8) * p_stride + j * 8 + t],
+                             P[g * p_stride + j * 8 + t + 4],
+                             P[(g + 8) * p_stride + j * 8 + t + 4]};
+        const float* v0 = reinterpret_cast<const float*>(sV + (j * 8 + t) * v_stride_b);
+        const float* v1 = reinterpret_cast<const float*>(sV + (j * 8 + t + 4) * v_stride_b);
+#pragma unroll
+        for (int n = 0; n < kOT; ++n) {
+          const float bf[2] = {v0[n * 8 + g], v1[n * 8 + g]};
+          mma_f32<kMode>(acc[n], af, bf);
+        }
+      }
+      __syncwarp();
+    }
+  }
+  if (key_hi <= kb_begin) cp_async_wait<0>();  // no key block: Q's copy is still in flight
+
+  // ---- epilogue: normalize, write out (and lse from the first Dv chunk) ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row[r];
+    if (i >= a.Lq) continue;
+    const bool empty = !(l[r] > 0.f) || m[r] == -INFINITY;
+    const float inv = empty ? 0.f : 1.f / l[r];
+    T* O = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + static_cast<int64_t>(i) * a.os[2];
+#pragma unroll
+    for (int n = 0; n < kOT; ++n) {
+      const int c = c0v + n * 8 + 2 * t;
+      if (c < a.Dv) {  // Dv is a multiple of 8: c + 1 < Dv too
+        O[c] = from_float<T>(acc[n][2 * r] * inv);
+        O[c + 1] = from_float<T>(acc[n][2 * r + 1] * inv);
+      }
+    }
+    if (dv_chunk == 0 && t == 0)
+      a.lse[(static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i] =
+          empty ? -INFINITY : m[r] + logf(l[r]);
+  }
+}
+
+inline size_t fwd_smem_bytes(int D, int elem_size, int dvc) {
+  return static_cast<size_t>(kBM) * (D * elem_size + kPadBytes) +
+         static_cast<size_t>(kBN) * (kDK * elem_size + kPadBytes) +
+         static_cast<size_t>(kBN) * (dvc * elem_size + kPadBytes) +
+         (elem_size == 4 ? static_cast<size_t>(kWarps) * 16 * (kBN + 4) * 4 : 0);
+}
+
+inline FwdArgs make_fwd_args(const SdpaParams& p, const SdpaFwdBuffers& buf, int dvc) {
+  FwdArgs a{};
+  a.q = buf.q;
+  a.k = buf.k;
+  a.v = buf.v;
+  a.out = buf.out;
+  a.lse = buf.lse;
+  a.B = static_cast<int>(p.batch);
+  a.Hq = static_cast<int>(p.heads_q);
+  a.G = static_cast<int>(p.group());
+  a.Lq = static_cast<int>(p.len_q);
+  a.Lk = static_cast<int>(p.len_kv);
+  a.D = static_cast<int>(p.head_dim);
+  a.Dv = static_cast<int>(p.head_dim_v);
+  a.n_dv_chunks = static_cast<int>((p.head_dim_v + dvc - 1) / dvc);
+  for (int i = 0; i < 3; ++i) {
+    a.qs[i] = p.q_stride[i];
+    a.ks[i] = p.k_stride[i];
+    a.vs[i] = p.v_stride[i];
+    a.os[i] = p.o_stride[i];
+  }
+  a.scale = static_cast<float>(p.scale);
+  a.wl = p.window_left;
+  a.wr = p.window_right;
+  a.bottom_right = p.bottom_right ? 1 : 0;
+  a.mask_kind = static_cast<int>(p.mask_kind);
+  a.mask_dtype = static_cast<int>(p.mask_dtype);
+  a.mask = p.mask;
+  for (int i = 0; i < 4; ++i) a.ms[i] = p.mask_stride[i];
+  a.sinks = p.sinks;
+  a.sinks_bs = p.sinks_batch_stride;
+  a.qlen = p.q_lengths;
+  a.kvlen = p.kv_lengths;
+  return a;
+}
+
+template <typename T, int kMode, int kDVC>
+cudaError_t launch_fwd_t(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream) {
+  const FwdArgs a = make_fwd_args(p, buf, kDVC);
+  const size_t smem = fwd_smem_bytes(a.D, static_cast<int>(sizeof(T)), kDVC);
+  auto kernel = flash_fwd_kernel<T, kMode, kDVC>;
+  cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const int q_tiles = (a.Lq + kBM - 1) / kBM;
+  dim3 grid(q_tiles * a.n_dv_chunks, a.Hq, a.B);
+  kernel<<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda_flash
+}  // namespace jax_sdpa

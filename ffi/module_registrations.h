@@ -1,0 +1,22 @@
+// `registrations()` of a nanobind module: {FFI target name: capsule} for every handler its
+// sources registered (ffi/registry.h), for jax.ffi.register_ffi_target (jax_sdpa/_ext.py).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "ffi/registry.h"
+
+namespace jax_sdpa {
+
+inline void def_registrations(nanobind::module_& m) {
+  m.def(
+      "registrations",
+      []() {
+        nanobind::dict d;
+        for (const FfiTarget& t : ffi_targets()) d[t.name.c_str()] = nanobind::capsule(t.handler);
+        return d;
+      },
+      "{FFI target name: capsule} for jax.ffi.register_ffi_target.");
+}
+
+}  // namespace jax_sdpa

@@ -1,0 +1,35 @@
+// The FFI targets a native module exposes. Every handler source registers its handlers at
+// namespace scope with JAX_SDPA_REGISTER_FFI_TARGET(name, symbol); the module's
+// `registrations()` (ffi/module_registrations.h) hands them all to jax_sdpa/_ext.py. So
+// adding a handler means adding its source to its module's sources, nothing else.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace jax_sdpa {
+
+struct FfiTarget {
+  std::string name;  // the XLA custom-call target, e.g. "jax_sdpa_cudnn_fwd"
+  void* handler;     // the XLA_FFI_Handler* defined by XLA_FFI_DEFINE_HANDLER_SYMBOL
+};
+
+// Function-local static: safe to use from other translation units' static
+// initializers, whatever their order. One list per module (each is its own shared object).
+inline std::vector<FfiTarget>& ffi_targets() {
+  static std::vector<FfiTarget> targets;
+  return targets;
+}
+
+struct FfiTargetRegistrar {
+  FfiTargetRegistrar(const char* name, void* handler) { ffi_targets().push_back({name, handler}); }
+};
+
+}  // namespace jax_sdpa
+
+#define JAX_SDPA_CONCAT_INNER(a, b) a##b
+#define JAX_SDPA_CONCAT(a, b) JAX_SDPA_CONCAT_INNER(a, b)
+#define JAX_SDPA_REGISTER_FFI_TARGET(name, symbol)                                \
+  static ::jax_sdpa::FfiTargetRegistrar JAX_SDPA_CONCAT(jax_sdpa_registrar_,      \
+                                                        __COUNTER__)(             \
+      name, reinterpret_cast<void*>(symbol))

@@ -1,0 +1,251 @@
+"""The independent float64 oracle of the attention contract, and the one tolerance policy.
+
+Written in numpy from docs/ffi_contract.md alone (no code of the implementations under test):
+the tests, `jax-sdpa check` and the benchmarks' correctness checks all compare against
+`forward` / `backward` here and judge the difference with `tolerance`.
+
+Numerics (the contract's):
+- a query row whose visible logits include a NaN is NaN (out, lse and its gradients);
+- keys excluded by the lengths, the band or a mask never reach an output or a gradient,
+  whatever they hold (NaN and inf included);
+- a row with nothing to attend (and padded query rows) gives out = 0 and lse = -inf (the
+  sink's logit when there are sinks), and no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+# ---------------------------------------------------------------------------
+# the oracle
+
+
+def _as4(x):
+    x = np.asarray(x)
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _masked_contract(w, visible, x):
+    """sum_j w[b, h, i, j] * x[b, h, j, :] over the visible j only: a non-finite x at an
+    invisible j never reaches the result (0 * NaN would). w, visible [B, H, I, J]; x
+    [B, H, J, D]."""
+    w = np.where(visible, w, 0.0)
+    finite = np.isfinite(x)
+    out = np.einsum("bhij,bhjd->bhid", w, np.where(finite, x, 0.0))
+    bad = np.argwhere(~finite.all(axis=-1))  # (b, h, j) rows holding a NaN / inf
+    for b, h, j in bad:
+        extra = np.where(finite[b, h, j], 0.0, x[b, h, j])  # [D]
+        col = visible[b, h, :, j]
+        out[b, h] += np.where(col[:, None], w[b, h, :, j, None] * extra[None, :], 0.0)
+    return out
+
+
+def _visibility(b, hq, lq, lk, mask, q_lengths, kv_lengths, window_left, window_right,
+                bottom_right):
+    """(visible [B, Hq, Lq, Lk] bool, additive [.., Lq, Lk] float64 or None, padded [B, Lq])."""
+    qlen = np.full(b, lq) if q_lengths is None else np.clip(np.asarray(q_lengths), 0, lq)
+    kvlen = np.full(b, lk) if kv_lengths is None else np.clip(np.asarray(kv_lengths), 0, lk)
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    visible = np.zeros((b, 1, lq, lk), bool)
+    for bi in range(b):
+        offset = kvlen[bi] - qlen[bi] if bottom_right else 0
+        dd = j - (i + offset)
+        vis = (i < qlen[bi]) & (j < kvlen[bi])
+        if window_left >= 0:
+            vis &= dd >= -window_left
+        if window_right >= 0:
+            vis &= dd <= window_right
+        visible[bi, 0] = vis
+    visible = np.broadcast_to(visible, (b, hq, lq, lk)).copy()
+    additive = None
+    if mask is not None:
+        m = _as4(mask)
+        if m.dtype == np.bool_:
+            visible &= np.broadcast_to(m, visible.shape)
+        else:
+            additive = np.broadcast_to(m.astype(np.float64), visible.shape)
+            visible &= ~np.isneginf(additive)  # -inf masks a key; NaN stays a (NaN) logit
+    padded = np.arange(lq)[None, :] >= qlen[:, None]
+    return visible, additive, padded
+
+
+def _sinks_f64(sinks, b, hq):
+    if sinks is None:
+        return None
+    s = np.asarray(sinks, np.float64)
+    s = s.reshape((1, hq)) if s.ndim == 1 else s
+    return np.broadcast_to(s, (b, hq))[:, :, None]  # [B, Hq, 1]
+
+
+def _canonical(q, k, v, mask, window_right, bottom_right, seq_major):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    if seq_major:  # [B, L, H, D] -> [B, H, L, D]
+        q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
+        mask, window_right, bottom_right = None, 0, True
+    return q, k, v, mask, window_right, bottom_right
+
+
+def _probabilities(q, k, *, scale, mask, sinks, q_lengths, kv_lengths, window_left,
+                   window_right, bottom_right):
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    visible, additive, padded = _visibility(b, hq, lq, lk, mask, q_lengths, kv_lengths,
+                                            window_left, window_right, bottom_right)
+    k_full = np.repeat(k, hq // hk, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # each logit is its own dot product: a non-finite key only reaches its own column,
+        # which the visibility below drops where the key is not visible
+        logits = np.einsum("bhid,bhjd->bhij", q, k_full)
+        logits = logits * scale
+        if additive is not None:
+            logits = logits + additive
+        logits = np.where(visible, logits, -np.inf)
+        sink = _sinks_f64(sinks, b, hq)
+        m = logits.max(axis=-1, keepdims=True)  # NaN wherever a visible logit is NaN
+        if sink is not None:
+            m = np.maximum(m, sink[..., None])
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(logits - m_safe)
+        total = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total = total + np.exp(sink[..., None] - m_safe)
+        nan_row = np.isnan(m)
+        lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+        lse = np.where(nan_row, np.nan, lse)
+        prob = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0)
+        prob = np.where(nan_row, np.nan, prob)
+    pad = padded[:, None, :, None]
+    prob = np.where(pad, 0.0, prob)
+    visible = visible & ~pad
+    lse = np.where(pad, -np.inf, lse)[..., 0]
+    return prob, visible, lse, scale, sink
+
+
+def forward(q, k, v, *, scale: Optional[float] = None, mask=None, sinks=None,
+            q_lengths=None, kv_lengths=None, window_left: int = -1, window_right: int = -1,
+            bottom_right: bool = False, seq_major: bool = False):
+    """(out, lse) in float64. q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv]
+    ([B, L, H, D] with seq_major; out follows q's layout, lse is [B, Hq, Lq]). mask: None,
+    "causal" (bottom-right, = window_right 0 + bottom_right), a bool (True = attend) or an
+    additive array broadcastable to [B, Hq, Lq, Lk]; sinks [Hq] or [1 or B, Hq]; lengths
+    int [B]; windows as the contract's (-1: unbounded)."""
+    q, k, v, mask, window_right, bottom_right = _canonical(q, k, v, mask, window_right,
+                                                           bottom_right, seq_major)
+    prob, visible, lse, _, _ = _probabilities(
+        q, k, scale=scale, mask=mask, sinks=sinks, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, window_left=window_left, window_right=window_right,
+        bottom_right=bottom_right)
+    v_full = np.repeat(v, q.shape[1] // k.shape[1], axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = _masked_contract(prob, visible, v_full)
+    if seq_major:
+        out = np.swapaxes(out, 1, 2)
+    return out, lse
+
+
+def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=None,
+             q_lengths=None, kv_lengths=None, window_left: int = -1, window_right: int = -1,
+             bottom_right: bool = False, seq_major: bool = False):
+    """Gradients of sum(out * dout) in float64, from the forward's probabilities (not by
+    differentiating code under test): {"dq", "dk", "dv"} in the inputs' layout, plus
+    "dmask" (the additive mask's gradient, summed over its broadcast dims) and "dsinks"
+    (shaped like `sinks`) when those are given. Arguments as `forward`."""
+    additive_mask = (mask is not None and not isinstance(mask, str)
+                     and np.asarray(mask).dtype != np.bool_)
+    mask_shape = None if not additive_mask else np.asarray(mask).shape
+    q, k, v, mask, window_right, bottom_right = _canonical(q, k, v, mask, window_right,
+                                                           bottom_right, seq_major)
+    dout = np.asarray(dout, np.float64)
+    if seq_major:
+        dout = np.swapaxes(dout, 1, 2)
+    prob, visible, lse, scale, sink = _probabilities(
+        q, k, scale=scale, mask=mask, sinks=sinks, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, window_left=window_left, window_right=window_right,
+        bottom_right=bottom_right)
+    hq, hk = q.shape[1], k.shape[1]
+    g = hq // hk
+    k_full, v_full = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        dp = np.einsum("bhid,bhjd->bhij", dout, v_full)  # per pair: dropped where invisible
+        dp = np.where(visible, dp, 0.0)
+        delta = np.sum(np.where(visible, prob * dp, 0.0), axis=-1, keepdims=True)
+        ds = np.where(visible, prob * (dp - delta), 0.0)
+        dq = scale * _masked_contract(ds, visible, k_full)
+        tr = (0, 1, 3, 2)
+        dk_full = scale * _masked_contract(ds.transpose(tr), visible.transpose(tr), q)
+        dv_full = _masked_contract(prob.transpose(tr), visible.transpose(tr), dout)
+    b, _, lk, d = k.shape
+    dk = dk_full.reshape(b, hk, g, lk, d).sum(axis=2)
+    dv = dv_full.reshape(b, hk, g, lk, v.shape[-1]).sum(axis=2)
+    if seq_major:
+        dq, dk, dv = (np.swapaxes(x, 1, 2) for x in (dq, dk, dv))
+    grads = {"dq": dq, "dk": dk, "dv": dv}
+    if additive_mask:
+        dmask = _as4(ds)
+        full = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+        axes = tuple(i for i in range(4) if full[i] == 1 and dmask.shape[i] != 1)
+        if axes:
+            dmask = dmask.sum(axis=axes, keepdims=True)
+        grads["dmask"] = dmask.reshape(mask_shape)
+    if sinks is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(lse)
+            p_sink = np.where(finite, np.exp(sink - np.where(finite, lse, 0.0)), 0.0)
+            dsink = -np.sum(p_sink * delta[..., 0], axis=2)  # [B, Hq]
+        shape = np.asarray(sinks).shape
+        if len(shape) == 1 or shape[0] == 1:
+            dsink = dsink.sum(axis=0, keepdims=True)
+        grads["dsinks"] = dsink.reshape(shape)
+    return grads
+
+
+# ---------------------------------------------------------------------------
+# the tolerance policy
+
+# float32 against the oracle, relative to max(|oracle|, 1) (inputs are unit normals).
+FP32_RTOL = 1e-5
+FP32_GRAD_RTOL = 2e-5
+# TF32 tensor cores (fp32 matmuls at JAX's default precision on an NVIDIA GPU).
+TF32_RTOL = 2e-3
+TF32_GRAD_RTOL = 2e-3
+# 16-bit: at most twice the same-dtype XLA computation's error, plus this floor.
+LOW_PRECISION_FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
+
+# Implementations whose fp32 matmuls may round to TF32 at JAX's default matmul precision on
+# an NVIDIA GPU: our CUDA flash kernels (cuDNN refuses fp32) and XLA's own dots.
+TF32_IMPLEMENTATIONS = frozenset({"cuda", "xla", "xla_chunked"})
+
+
+def max_rel_error(got, want) -> float:
+    """max |got - want| / max(max |want|, 1), in float64 (0 for empty arrays). The floor of
+    1 keeps an all-zero oracle (a row that sees one key has dq = 0) from turning rounding
+    noise into a huge relative error; it is then an absolute bound."""
+    got = np.asarray(got).astype(np.float32).astype(np.float64)  # bf16 / f16 exactly
+    want = np.asarray(want, np.float64)
+    if want.size == 0:
+        return 0.0
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1.0))
+
+
+def tolerance(dtype: str, implementation: Optional[str] = None, *, grad: bool = False,
+              xla_error: Optional[float] = None, tf32: bool = False) -> float:
+    """The largest max_rel_error an implementation may have against the oracle.
+
+    fp32: FP32_RTOL (FP32_GRAD_RTOL for gradients); TF32_RTOL / TF32_GRAD_RTOL when `tf32`
+    (the call ran at JAX's default matmul precision on an NVIDIA GPU) and the implementation
+    is one of TF32_IMPLEMENTATIONS. fp16 / bf16: 2x `xla_error` (the same-dtype XLA
+    computation's error against the same oracle) plus LOW_PRECISION_FLOOR."""
+    dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if dtype in LOW_PRECISION_FLOOR:
+        return 2 * (xla_error or 0.0) + LOW_PRECISION_FLOOR[dtype]
+    rtol = FP32_GRAD_RTOL if grad else FP32_RTOL
+    if tf32 and implementation in TF32_IMPLEMENTATIONS:
+        return max(rtol, TF32_GRAD_RTOL if grad else TF32_RTOL)
+    return rtol

@@ -1,0 +1,64 @@
+"""The measured thresholds `dispatch` applies between implementations, as one table.
+
+Each row is a value with the reason it has that value and the results file it came from
+(benchmarks/results/, measured on one H200 unless the row says otherwise). The kernels'
+own tile choices are in their families' tables: cuda/decode/decode_tuning.h and
+cuda/flash/flash_tuning.h.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    value: object
+    reason: str
+    results: str
+
+
+ROWS = {
+    "XLA_CHUNKED_SCORE_BYTES": Row(
+        256 << 20,
+        "above this many bytes of float32 scores our XLA path runs the chunked online "
+        "softmax (O(L) memory) instead of materializing the scores, several times over in "
+        "the backward",
+        "benchmarks/results/cpu_2core/memory.json"),
+    "CUDA_DECODE_OVER_CUDNN_ROWS": Row(
+        (4, 32),
+        "where cuDNN serves a decode call, our decode kernel for 4 < R <= 32 query rows per "
+        "kv head (cuDNN re-reads K/V per query head once Lq > 1): B8 H32/KV8 Lk4096 D128 "
+        "2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64",
+        "benchmarks/results/h200/decode_crossover.json"),
+    "CUDA_DECODE_MIN_KV_BYTES": Row(
+        32 << 20,
+        "16-bit decode at D <= 256 that cuDNN can't serve (sinks before cuDNN 9.13, ...), "
+        "and plain decode (R <= 4) at D = Dv in {192, 256}: our decode kernel from this many "
+        "bytes of K + V (1.0-1.41x cuDNN or XLA on the measured rows), our XLA path below",
+        "benchmarks/results/h200/decode_crossover.json"),
+    "CUDA_DECODE_WIDE_MIN_KV_BYTES": Row(
+        64 << 20,
+        "16-bit decode at head dims > 256 (decode_wide_tma_kernel): ours from this many bytes "
+        "of K + V (1.02-1.12x our XLA path from B1 H32/KV4 Lk8192 up), our XLA path below "
+        "(mixed: 0.85-1.15x)",
+        "benchmarks/results/h200/decode_crossover.json"),
+    "CUDA_DECODE_WIDE_MAX_ROWS": Row(
+        8,
+        "... and at most this many query rows per kv head: 16 and 32 rows re-read K/V per "
+        "8-row chunk (our XLA path 1.25x / 2.2x faster there)",
+        "benchmarks/results/h200/decode_crossover.json"),
+    "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
+        128,
+        "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
+        "L4250 D64 92-96 / 85-88 TFLOP/s fwd / fwd+bwd vs xla 39-41 / 51-52, 1.2 MiB vs "
+        "10.2 GiB of temporaries); above it xla",
+        "benchmarks/results/h200/flash.json"),
+}
+
+XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
+CUDA_DECODE_OVER_CUDNN_ROWS = ROWS["CUDA_DECODE_OVER_CUDNN_ROWS"].value
+CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
+CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
+CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
+CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
