@@ -305,8 +305,7 @@ def run_check(seed=0, verbose=True, quick=False):
 # UNROLL calls unrolled in its body. The execution's fixed cost (dispatch, the host's wait
 # for the result: about 0.3 ms on the H200 machine) is spread over K, so K is large:
 # with K = 8..32 (our first harness) that cost added 20-30 us to every call of every
-# implementation (benchmarks/results/decode_profile_h200_2026-11-30_*: GPU idle between
-# executions).
+# implementation (the GPU idled between executions: benchmarks/profiling/decode_profile.py).
 UNROLL = 16
 
 
@@ -477,7 +476,7 @@ def run_bench(copy_bw, rows=BENCH_ROWS):
 
 
 # Target rows x knob settings. CFG = decode_tc_kernel's warps,stages (built for D128 and
-# D512 only, cuda/decode_attention_kernels.h); L2 = its K/V copies' L2 prefetch size
+# D512 only, cuda/decode/decode_kernels.h; a tuning build); L2 = its K/V copies' L2 prefetch size
 # (default 128 on tensor cores, 0 for fp32; variants built for D128 and D512: the
 # default W,S and D128 W8 S2; 132 = 128 with the lines marked evict-first in the L2);
 # WIDE = NW,S of the wide-head kernel (D = Dv in {256, 512}; on fp32 D512 calls:

@@ -1,4 +1,4 @@
-"""Our CUDA flash-attention prefill kernels (DRAFT, docs/cuda_flash.md) on the GPU:
+"""Our CUDA flash-attention prefill kernels (docs/cuda_flash.md) on the GPU:
 correctness matrix against the float64 oracle (jax_sdpa.oracle), then the timing rows.
 
 Run on the H200 machine after building the package with the CUDA backend:
@@ -7,10 +7,10 @@ Run on the H200 machine after building the package with the CUDA backend:
         --fp32-grad-tol 1e-5
 
 Calls `jax_sdpa_cuda_flash_fwd` and `jax_sdpa_cuda_flash_bwd` (when registered) directly through
-jax.ffi.ffi_call after registering them from jax_sdpa._sdpa_cuda.registrations(); dispatch does
-not route these targets yet. Outputs are poisoned (JAX_SDPA_POISON_OUTPUTS=1) so that an element
-the kernel forgets to write shows up as NaN. The fp32 precision mode is read by the handler once
-per process from JAX_SDPA_CUDA_FP32 (unset: TF32, "highest": 3xTF32).
+jax.ffi.ffi_call after registering them from jax_sdpa._sdpa_cuda.registrations(). Outputs are
+poisoned (JAX_SDPA_POISON_OUTPUTS=1) so that an element the kernel forgets to write shows up as
+NaN. JAX_SDPA_CUDA_FP32=highest (read here) passes fp32_precision = 1 (3xTF32) on the direct
+calls and runs the API rows under jax.default_matmul_precision("highest"); unset: TF32.
 """
 from __future__ import annotations
 
@@ -516,6 +516,13 @@ def run_bwd_sweep(budget_s=55.0, variants=BWD_VARIANTS):
     return out
 
 
+def _precision():
+    """The API rows' matmul precision (the direct calls pass fp32_precision themselves)."""
+    import contextlib
+
+    return jax.default_matmul_precision("highest") if HIGHEST else contextlib.nullcontext()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--only", choices=("check", "bench", "bwd_sweep"))
@@ -546,8 +553,9 @@ def main():
                   flush=True)
         res["bwd_sweep"] = run_bwd_sweep()
     if a.only in (None, "bench"):
-        res["bench"] = run_bench(have_bwd=BWD in found, peers=not a.no_peers,
-                                 only=[r for r in a.rows.split(",") if r], api=a.api)
+        with _precision():
+            res["bench"] = run_bench(have_bwd=BWD in found, peers=not a.no_peers,
+                                     only=[r for r in a.rows.split(",") if r], api=a.api)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         name = "flash_check_highest.json" if HIGHEST else "flash_check.json"

@@ -196,8 +196,8 @@ if has flash_check; then
 fi
 
 if has flash_wgmma; then
-  # The wgmma kernels (16-bit head dims in (256, 512], sm_90a: cuda/flash_fwd_wgmma.cu,
-  # cuda/flash_bwd_wgmma.cu; the defaults on this GPU): the check's wide-head cases with
+  # The wgmma kernels (16-bit head dims in (256, 512], sm_90a: cuda/flash/flash_fwd_wgmma.cu,
+  # cuda/flash/flash_bwd_wgmma.cu; the defaults on this GPU): the check's wide-head cases with
   # them and with the wide kernels (JAX_SDPA_FLASH_WGMMA=0 / _BWD=0), then the D512 bench
   # row both ways, the first beside what jax_sdpa.dot_product_attention runs (--api).
   say "wgmma flash kernels: correctness on the wide-head cases, then D512 timing"
@@ -216,7 +216,7 @@ if has flash_wgmma; then
 fi
 
 if has flash_highest; then
-  # The bar for fp32 under "highest": outputs and grads within 1e-5 of float64.
+  # The bar for fp32 under "highest": outputs and grads within 1e-5 of float64.
   say "our CUDA flash kernels: correctness under 3xTF32, fp32 outputs and grads within 1e-5"
   (cd /tmp && JAX_SDPA_CUDA_FP32=highest timeout "${FLASH_CHECK_TIMEOUT:-200}" python3 -P \
      $repo/benchmarks/gpu_flash_check.py --only check --fp32-tol 1e-5 --fp32-grad-tol 1e-5 \

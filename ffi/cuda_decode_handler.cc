@@ -5,7 +5,7 @@
 //
 // Command-buffer (CUDA graph) compatible: besides out and lse the call has a third
 // result, a uint8 workspace that XLA allocates (split-K partials + the fused
-// combine's counters; layout in cuda/decode_attention.h), so execute does only
+// combine's counters; layout in cuda/decode/decode_attention.h), so execute does only
 // capturable stream work (cudaMemsetAsync + kernel launches) and device/occupancy
 // queries: no scratch allocator, no cudaMalloc, no synchronous call.
 #include <cuda_runtime_api.h>

@@ -1,6 +1,6 @@
 // XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA").
 // Decode + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
-// cuda/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
+// cuda/cudnn/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
 // comes from the ScratchAllocator, which CUDA-graph capture does not allow.
 #include <cuda_runtime.h>
 

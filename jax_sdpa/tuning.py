@@ -23,20 +23,20 @@ ROWS = {
         256 << 20,
         "above this many bytes of float32 scores our XLA path runs the chunked online "
         "softmax (O(L) memory) instead of materializing the scores, several times over in "
-        "the backward",
-        "benchmarks/results/cpu_2core/memory.json"),
+        "the backward (a memory bound, not a speed crossover: tests/test_memory.py)",
+        ""),
     "CUDA_DECODE_OVER_CUDNN_ROWS": Row(
         (4, 32),
         "where cuDNN serves a decode call, our decode kernel for 4 < R <= 32 query rows per "
         "kv head (cuDNN re-reads K/V per query head once Lq > 1): B8 H32/KV8 Lk4096 D128 "
         "2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64",
-        "benchmarks/results/h200/decode_crossover.json"),
+        "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
     "CUDA_DECODE_MIN_KV_BYTES": Row(
         32 << 20,
         "16-bit decode at D <= 256 that cuDNN can't serve (sinks before cuDNN 9.13, ...), "
         "and plain decode (R <= 4) at D = Dv in {192, 256}: our decode kernel from this many "
         "bytes of K + V (1.0-1.41x cuDNN or XLA on the measured rows), our XLA path below",
-        "benchmarks/results/h200/decode_crossover.json"),
+        "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
     "CUDA_DECODE_WIDE_MIN_KV_BYTES": Row(
         64 << 20,
         "16-bit decode at head dims > 256 (decode_wide_tma_kernel): ours from this many bytes "

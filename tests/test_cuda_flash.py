@@ -7,7 +7,7 @@ tests/sdpa_testing.py: fp32 at JAX's default matmul precision (TF32) and at "hig
 and 320 (beyond cuDNN) with causal + GQA + sinks + lengths; the jax.nn layout
 ([B, T, N, H], seq_major) through dot_product_attention; outputs NaN-poisoned by the
 handler first (JAX_SDPA_POISON_OUTPUTS=1, set by conftest). Tolerances: max abs error /
-max(1, max |oracle|): TF32 2e-3; highest 1e-5 forward and gradients (the issue's bar; the
+max(1, max |oracle|): TF32 2e-3; highest 1e-5 forward and gradients (the fp32 bar; the
 shared suite allows other implementations 2e-5 for gradients); fp16/bf16 no worse
 than 2x XLA's error in the same dtype plus a floor.
 """
@@ -29,7 +29,7 @@ from sdpa_testing import (FP32_RTOL, TF32_GRAD_RTOL, TF32_RTOL, Case,
 pytestmark = pytest.mark.gpu
 
 # Our 3xTF32 kernels' gradients under "highest": within 1e-5 of float64 like the outputs
-# (their products are summed per step and added with fp32 adds: cuda/mma_helpers.cuh).
+# (their products are summed per step and added with fp32 adds: cuda/common/mma_helpers.cuh).
 FP32_GRAD_RTOL = FP32_RTOL
 
 

@@ -1,6 +1,6 @@
 """decode_tma_kernel's shared-memory layout, checked on the host (no GPU needed).
 
-tests/cuda/decode_tma_layout_check.cu includes cuda/decode_tma.cuh and enumerates every
+tests/cuda/decode_tma_layout_check.cu includes cuda/decode/decode_tma.cuh and enumerates every
 16-byte fragment load of a warp: the head-dim order, the dv order and the key-row
 permutation must be bijections (else the kernel silently reads the wrong elements) and
 no load may have a bank conflict under the 128-byte TMA swizzle. Needs nvcc; CI has it

@@ -1,4 +1,4 @@
-"""Tile configurations of the fp32 tensor-core flash forward (cuda/flash_fwd_tc.cuh) timed
+"""Tile configurations of the fp32 tensor-core flash forward (cuda/flash/flash_fwd_tc.cuh) timed
 side by side on the GPU, one process: JAX_SDPA_FLASH_FWD_CFG is read by the launcher on
 every call, so one compiled executable serves every configuration.
 

@@ -114,14 +114,10 @@ cudaError_t occupancy(const KernelInfo& k, int device, int* blocks) {
 }
 
 // The largest cluster (splits of a unit) the cluster merge takes: 16 is the H100 / H200
-// limit with non-portable sizes allowed (8 portable).
+// limit with non-portable sizes allowed (8 portable). By default it takes up to
+// tuning::kAutoClusterSplits; COMBINE=cluster (tuning builds) up to this.
 constexpr int kMaxClusterSplits = 16;
-// ... and the most splits it takes by default (COMBINE unset). H200: at 2 splits the
-// cluster merge beat the combine kernel (B8 H32/KV8 Lk8192 D128 3823 vs 3736 GB/s,
-// results/gpu_decode_sweep_20261130T1843.json); at 16 it lost (B1 H32/KV8 Lk8192 D256,
-// decode_tma_kernel: 2400 vs 2492, gpu_decode_sweep_20261130T1954.json). Between: not
-// measured. COMBINE=cluster takes up to kMaxClusterSplits.
-constexpr int kAutoClusterSplits = 8;
+constexpr int kAutoClusterSplits = tuning::kAutoClusterSplits;
 
 // Whether a cluster-merge kernel's grid (units clusters of n blocks) is resident at once:
 // one wave, so that no cluster waits for another to leave its GPC.
@@ -275,42 +271,30 @@ KnobRequest knob_request() {
 }
 
 // The TMA kernel a call with no knob set gets, if any (8 rows a block, 16 bits; where
-// it can't run, make_plan keeps the plain default):
-// - decode_tma_kernel at D = Dv = 128. H200, GB/s, decode_tc_kernel -> TMA (results/
-//   gpu_decode_sweep_20261130T1514): B8 H32/KV8 Lk8192 3323 -> 3592 (W8 S2), B1 Lk32768
-//   2784 -> 2965 (W8 S2), B64 Lk2048 3661 -> 4006 (W4 S2: two blocks an SM beat W8's one
-//   once the units fill the SMs). At 16 rows a block (R 64, B8 Lk4096) it took 174.6 us
-//   where cuDNN took 113.2 (results/gpu_decode_crossover_20261130T1522.json;
-//   decode_tc_kernel was within 1.06x of cuDNN there, _T1344): so not there.
-// - decode_tma_kernel at D = Dv = 256, W4 S3 (below).
-// - decode_wide_tma_kernel at D = Dv = 512, NW4 S6 KT2 (results/
-//   gpu_decode_sweep_20261130T1702.json).
+// it can't run, make_plan keeps the plain default): decode_tma_kernel at D = Dv in
+// {128, 256}, decode_wide_tma_kernel at 512, shaped as decode_tuning.h says.
 bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const KnobRequest& req,
                  KernelVariant* v) {
   if (rb != 8 || p.dtype == DType::kF32 || p.head_dim != p.head_dim_v) return false;
   if (p.head_dim == 128 && !req.tma_off) {
     v->tma = true;
-    v->warps = units >= sms ? 4 : 8;
-    v->stages = 2;
+    v->warps = units >= sms ? tuning::kTma128WarpsFilled : tuning::kTma128WarpsSparse;
+    v->stages = tuning::kTma128Stages;
     v->prefetch = 0;
     return true;
   }
   if (p.head_dim == 256 && !req.tma_off) {
-    // W4 S3 (201 KB, one block an SM). H200, GB/s (results/gpu_decode_sweep_20261130T1954):
-    // B1 H32/KV8 Lk8192 2400 (W4 S2 2373, W6 S2 2309, W2 S4 2120, W2 S6 2026,
-    // decode_tc_kernel 2328; with the combine kernel instead of the cluster merge 2492);
-    // B16 Lk4096 4029 (W4 S2 4023, W6 S2 4020, decode_tc_kernel 3516).
     v->tma = true;
-    v->warps = 4;
-    v->stages = 3;
+    v->warps = tuning::kTma256Warps;
+    v->stages = tuning::kTma256Stages;
     v->prefetch = 0;
     return true;
   }
   if (p.head_dim == 512 && !req.wide_tma_off) {
     v->tma = v->wide = true;
-    v->warps = 4;
-    v->stages = 6;
-    v->step_tiles = 2;
+    v->warps = tuning::kWideTmaWarps;
+    v->stages = tuning::kWideTmaStages;
+    v->step_tiles = tuning::kWideTmaStepTiles;
     return true;
   }
   return false;
@@ -359,10 +343,8 @@ cudaError_t encode_kv_maps(const void* k, const void* v, const int64_t (&ks)[3],
   const int64_t kst[3] = {ks[1], ks[2], ks[0]}, vst[3] = {vs[1], vs[2], vs[0]};
   int order[3] = {0, 1, 2};
   std::sort(order, order + 3, [&](int x, int y) { return kst[x] < kst[y]; });
-  // L2 fetch size: 128 bytes. H200, GB/s at 256 / 128 / none (TMA W8 S3, results/
-  // gpu_decode_sweep_20261130T1513.json): B8 Lk8192 3386 / 3589 / 3570, B1 Lk32768 2862 /
-  // 2950 / 2958, B64 Lk2048 3670 / 3855 / 3849. Knob JAX_SDPA_CUDA_DECODE_TMA_L2=0|64|128|256
-  // (make_plan reads it into the plan).
+  // L2 fetch size: the plan's (tuning::kTmaL2Bytes; JAX_SDPA_CUDA_DECODE_TMA_L2 in tuning
+  // builds).
   const CUtensorMapL2promotion promotion =
       l2 == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
               : (l2 == 64 ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
@@ -477,7 +459,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   const KnobRequest req = knob_request();
   KernelVariant want = req.want;
   const int64_t min_split_bytes =
-      static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", 64))) * 1024;
+      static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", tuning::kMinSplitKiB))) * 1024;
 
   const int64_t R = p.group() * p.len_q;
   const int rb = rows_per_block(p);
@@ -507,13 +489,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     if (alt.func != nullptr && alt.smem < k.smem) k = alt;
   }
   if (wide_f32_default(p, want, req)) {
-    // fp32 D = Dv = 512: decode_wide_f32_kernel, NW8 S3 (S2 where its 202 KB don't fit).
-    // H200, B1 H32/KV4 Lk8192: 2258 GB/s (S2 2129) where decode_simt_kernel streamed 1374
-    // (results/gpu_decode_sweep_20261130T1818.json).
-    for (const int stages : {3, 2}) {
+    // fp32 D = Dv = 512: decode_wide_f32_kernel, the first of its stage counts that fits.
+    for (const int stages : tuning::kWideF32Stages) {
       KernelVariant wide;
       wide.wide = true;
-      wide.warps = 8;
+      wide.warps = tuning::kWideF32Warps;
       wide.stages = stages;
       const KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, wide);
       if (alt.func != nullptr && alt.variant.wide && alt.smem <= f.max_smem_optin) {
@@ -588,7 +568,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // at small batch: 33 splits x 8 rows x 128 float4 / 96 threads = 363) that
   // tail is longer than a separate, grid-wide combine launch. Behind decode_tma_kernel the
   // combine kernel is faster anyway (H200, B8 H32/KV8 Lk8192 D128 bf16: 3717 vs 3608 GB/s
-  // fused; B1 Lk32768: 3207 vs 2990; results/gpu_decode_sweep_20261130T1634.json).
+  // fused; decode_tuning.h).
   const int64_t valid_rows = std::min<int64_t>(R, rb);
   const int64_t per_thread = (valid_rows * (p.head_dim_v / 4) + k.threads - 1) / k.threads;
   // The fused combine's counters follow the partials in the workspace; when they
@@ -598,10 +578,10 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
                         workspace_layout(p, n, units, true).bytes <= workspace_bytes;
   bool fused = false;
   if (combine == Combine::kFused) fused = fused_ok;
-  else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= 48 && !k.variant.tma;
+  else if (combine == Combine::kAuto) fused = fused_ok && n * per_thread <= tuning::kFusedCombineMaxLoads && !k.variant.tma;
   plan->fused_combine = fused;
   plan->workspace = workspace_layout(p, n, units, fused);
-  plan->tma_l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", 128);
+  plan->tma_l2 = env_int("JAX_SDPA_CUDA_DECODE_TMA_L2", tuning::kTmaL2Bytes);
   if (env_int("JAX_SDPA_CUDA_DECODE_VERBOSE", 0) > 0) {
     char line[384];
     std::snprintf(line, sizeof(line),
@@ -745,11 +725,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   if (k.func == nullptr || !(k.variant == plan.kernel)) return cudaErrorInvalidValue;
 
   Args a{};
-  a.q = buf.q;
-  a.k = buf.k;
-  a.v = buf.v;
-  a.out = buf.out;
-  a.lse = buf.lse;
+  cuda_common::set_call_fields(p, buf, &a);
   a.B = static_cast<int>(p.batch);
   a.Hq = static_cast<int>(p.heads_q);
   a.Hk = static_cast<int>(p.heads_kv);
@@ -761,24 +737,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   a.row_chunks = plan.row_chunks;
   a.nsplit = plan.num_splits;
   a.rows = rows;
-  for (int i = 0; i < 3; ++i) {
-    a.qs[i] = p.q_stride[i];
-    a.ks[i] = p.k_stride[i];
-    a.vs[i] = p.v_stride[i];
-    a.os[i] = p.o_stride[i];
-  }
   a.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
-  a.wl = p.window_left;
-  a.wr = p.window_right;
-  a.bottom_right = p.bottom_right ? 1 : 0;
-  a.mask_kind = static_cast<int>(p.mask_kind);
-  a.mask_dtype = static_cast<int>(p.mask_dtype);
-  a.mask = p.mask;
-  for (int i = 0; i < 4; ++i) a.ms[i] = p.mask_stride[i];
-  a.sinks = p.sinks;
-  a.sinks_bs = p.sinks_batch_stride;
-  a.qlen = p.q_lengths;
-  a.kvlen = p.kv_lengths;
   a.counters = nullptr;
   a.part_o = nullptr;
   a.part_lse = nullptr;

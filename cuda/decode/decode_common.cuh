@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_helpers.cuh"
+#include "cuda/common/kernel_args.h"
 #include "cuda/common/mma_helpers.cuh"
 #include "ffi/sdpa_params.h"
 
@@ -36,28 +37,16 @@ constexpr int kTileKeys = 16;
 
 // Everything a kernel needs, by value (kernel parameter space).
 struct Args {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  float* lse;
+  JAX_SDPA_KERNEL_IO_FIELDS
   float* part_o;    // [splits][rows][Dv] normalized partial outputs
   float* part_lse;  // [splits][rows] log2-domain lse of each split
   int* counters;    // per block unit: splits done (fused combine), self-resetting; or null
   int B, Hq, Hk, Lq, Lk, G, R;  // R = G * Lq rows per kv head
   int RB, row_chunks, nsplit;
   int64_t rows;  // B * Hq * Lq
-  int64_t qs[3], ks[3], vs[3], os[3];
+  JAX_SDPA_KERNEL_STRIDE_FIELDS
   float scale_log2;  // scale * log2(e)
-  int64_t wl, wr;
-  int bottom_right;
-  int mask_kind, mask_dtype;
-  const void* mask;
-  int64_t ms[4];
-  const float* sinks;
-  int64_t sinks_bs;
-  const int32_t* qlen;
-  const int32_t* kvlen;
+  JAX_SDPA_KERNEL_MASK_FIELDS
 };
 
 // ---- small device helpers ----------------------------------------------------

@@ -1,12 +1,4 @@
-// f16 instantiations of our decode kernels (tensor cores); see decode_attention.cu.
+// f16 instantiations of our decode kernels (tensor cores).
 #include "cuda/decode/decode_kernels.h"
 
-namespace jax_sdpa {
-namespace cuda_decode {
-
-KernelInfo select_f16(int64_t d, int64_t dv, bool rows16, const KernelVariant& want) {
-  return select_tc<__half>(d, dv, rows16, want);
-}
-
-}  // namespace cuda_decode
-}  // namespace jax_sdpa
+JAX_SDPA_DECODE_16BIT_SELECTOR(f16, __half)

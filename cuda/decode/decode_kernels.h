@@ -12,6 +12,7 @@
 #include "cuda/decode/decode_combine.cuh"
 #include "cuda/decode/decode_simt.cuh"
 #include "cuda/decode/decode_tc.cuh"
+#include "cuda/decode/decode_tuning.h"
 #include "cuda/decode/decode_tma.cuh"
 #include "cuda/decode/decode_wide.cuh"
 #include "cuda/decode/decode_wide_f32.cuh"
@@ -96,34 +97,19 @@ KernelInfo tc_info() {
       Cfg::kThreads, Cfg::kSmem, true, KernelVariant{W, S, PF, false});
 }
 
-// The tensor-core kernels' K/V copies ask the L2 for whole 128-byte lines: on the H200
-// (benchmarks/results/gpu_decode_sweep_20261130T1339.json, GB/s, none / 128 / 256):
-// B8 Lk8192 D128 3219 / 3306 / 3107, B1 Lk32768 2739 / 2786 / 2632, B64 Lk2048
-// 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818; fp32 B8 Lk8192 D128 3448 / 3525 / -
-// and 3490 / 3574 / - (gpu_decode_sweep_20261130T1348, T1352), so the fp32 kernel too.
-// Variants without the hint and with 256 bytes are built for the dims below,
-// picked per call with JAX_SDPA_CUDA_DECODE_L2=0|256|132 (132: 128 with the lines marked
-// evict-first, an experiment not yet run) (the W,S default and, at D128, W8 S2; 8 query
-// rows a block). Tried and removed: plain copies instead of the zero-fill form and
-// unpadded smem rows (gpu_decode_sweep_20261130T1348 / T1352, "L2=129" / "L2=130").
-constexpr int kTcPrefetch = 128;
+// The L2 prefetch of the tensor-core kernels' copies (decode_tuning.h). Tuning builds also
+// build variants without the hint and with 256 bytes for the dims below, picked per call
+// with JAX_SDPA_CUDA_DECODE_L2=0|256|132 (132: 128 with the lines marked evict-first).
+constexpr int kTcPrefetch = tuning::kTcPrefetch;
 template <int D, int DV>
 constexpr bool kPrefetchBuilt = (D == 128 && DV == 128) || (D == 512 && DV == 512);
 
-// Warps per block (W) and per-warp ring depth (S), each stage one 16-key tile of
-// K and V per warp: bytes in flight per SM = blocks/SM x W x (S - 1..S) tiles.
-//   D + Dv <= 256 (D128 bf16: 9.3 KB a stage): W4 S2, 81 KB -> 2 blocks/SM.
-//   D + Dv <= 512 (D256: 17.7 KB a stage): W4 S1, 80 KB -> 2 blocks/SM.
-//   D512 (34 KB a stage): W4 S1, 150 KB -> 1 block/SM. Four warps without a copy in
-//   flight while they compute beat three with one (W3 S2, 217 KB) on the H200 since the
-//   epilogue rewrite: B1 H32/KV4 Lk8192 47.4 vs 50.6 us a call, Lk1024 fp16 26.9 vs
-//   34.8 (benchmarks/results/decode_profile_*).
-// Variants (JAX_SDPA_CUDA_DECODE_CFG=W,S, for the sweep in benchmarks/gpu_decode.py)
-// are built for D = Dv = 128 and 512 only (compile time); elsewhere the default.
+// decode_tc_kernel's warps per block (W) and per-warp ring depth (S) (decode_tuning.h).
+// Tuning builds add variants (JAX_SDPA_CUDA_DECODE_CFG=W,S) at D = Dv = 128 and 512.
 template <int D, int DV>
 struct TcDefault {
-  static constexpr int W = 4;
-  static constexpr int S = (D + DV <= 256) ? 2 : 1;
+  static constexpr int W = tuning::kTcWarps;
+  static constexpr int S = tuning::kTcStages<D, DV>;
 };
 
 // The K and V tensor maps of the TMA kernels: 5-D (64 elements, D / 64 chunks, then kv
@@ -242,9 +228,8 @@ KernelInfo wide_tma_info() {
 
 // decode_wide_tma_kernel variants: NW consumer warps x S stages of 16 keys, KT stages a
 // consumer step (KB of smem / blocks per SM: D512 NW4 S6 198-213/1, NW4 S4 KT2 141/1,
-// NW8 S6 KT2 213/1). Null where not built. (D256 NW4 S8 KT2 / KT4 lost to
-// decode_tc_kernel: B1 H32/KV8 Lk8192 1909 / 1910 vs 2202 GB/s, results/
-// gpu_decode_sweep_20261130T1655.json.)
+// NW8 S6 KT2 213/1). Null where not built. (At D256 it lost to decode_tc_kernel:
+// docs/tried.md.)
 template <typename T, int D, int DV>
 KernelInfo wide_tma_select(int nw, int s, int kt) {
   if constexpr (D == DV && D == 512) {
@@ -309,10 +294,10 @@ KernelInfo tc_select(const KernelVariant& want) {
     w = s = 0;
   }
   if constexpr (D == 512 && DV == 512 && NT == 1) {
-    // Default at D512: the wide kernel, NW4 S3 (B1 H32/KV4 Lk8192 bf16: 31.7 vs 36.4 us a
-    // call; fp16 Lk1024: 14.5 vs 16.0; results/gpu_decode_sweep_20261130T1359.json).
-    // CFG=4,1 (or an L2 setting) still reaches decode_tc_kernel.
-    if (w == 0 && s == 0 && pf < 0) return wide_info<T, D, DV, 4, 3>();
+    // Default at D512: the wide kernel (decode_tuning.h). CFG=4,1 (or an L2 setting) still
+    // reaches decode_tc_kernel.
+    if (w == 0 && s == 0 && pf < 0)
+      return wide_info<T, D, DV, tuning::kWideWarps, tuning::kWideStages>();
   }
   constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
 #if JAX_SDPA_TUNING
@@ -404,3 +389,12 @@ KernelInfo select_tc(int64_t d, int64_t dv, bool rows16, const KernelVariant& wa
 
 }  // namespace cuda_decode
 }  // namespace jax_sdpa
+
+// The 16-bit selector `select_<suffix>` for storage type T: one translation unit each
+// (decode_f16.cu, decode_bf16.cu), so that the dtypes' kernels compile in parallel.
+#define JAX_SDPA_DECODE_16BIT_SELECTOR(suffix, T)                                            \
+  namespace jax_sdpa::cuda_decode {                                                         \
+  KernelInfo select_##suffix(int64_t d, int64_t dv, bool rows16, const KernelVariant& want) { \
+    return select_tc<T>(d, dv, rows16, want);                                               \
+  }                                                                                         \
+  }

@@ -1,5 +1,5 @@
 // Decode kernel fed by TMA (sm_90+; bf16 / fp16; the template takes D, Dv in {64, 128}
-// or D = Dv = 256, built for D = Dv = 128 and 256: decode_attention_kernels.h).
+// or D = Dv = 256, built for D = Dv = 128 and 256: decode_kernels.h).
 //
 // Why: decode_tc_kernel's warps each issue their own 16-byte cp.async copies; on the
 // H200 it streams at 73% of DRAM peak where cuDNN reaches 85%, this kernel at 79-80%

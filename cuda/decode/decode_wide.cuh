@@ -12,7 +12,7 @@
 //   3. warp w accumulates O^T += V^T P^T for its Dv / NW output columns.
 // Two block barriers a tile. No cross-warp merge at the end: each warp writes its
 // own output columns (one split) or normalized partials for combine_kernel.
-// Fragment layouts are decode_tc_kernel's (decode_attention.cuh).
+// Fragment layouts are decode_tc_kernel's (decode_tc.cuh).
 #pragma once
 
 #include <type_traits>

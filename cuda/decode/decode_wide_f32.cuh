@@ -2,12 +2,12 @@
 // make_plan; JAX_SDPA_CUDA_DECODE_WIDE=off runs decode_simt_kernel instead; 8 query rows
 // a block): decode_wide_kernel's split of the head dims across warps, with exact fp32
 // math on CUDA cores. H200, B1 H32/KV4 Lk8192: 2258-2317 GB/s where decode_simt_kernel
-// streamed 1374-1418 (results/gpu_decode_sweep_20261130T1818.json, _T1843).
+// streamed 1374-1418 (benchmarks/results/h200/decode_tuning/sweep_20261130T1818.json).
 //
 // Why: decode_simt_kernel gives each of its two warps (D + Dv > 512) whole 16-key tiles
 // of 66 KB, one block an SM and no copy in flight, so at D512 two warps an SM do all the
-// FMAs: B1 H32/KV4 Lk8192 fp32 streamed at 1.42 TB/s where xla's gemms reach 3.13
-// (benchmarks/results/gpu_decode_bench_20261130T1702.json). Here the block's NW warps
+// FMAs: B1 H32/KV4 Lk8192 fp32 streamed at 1.42 TB/s where xla's gemms reach 3.13 on the
+// H200. Here the block's NW warps
 // share each tile: S - 1 tiles in flight (cp.async, the whole block), and per tile warp w
 //   1. computes the partial scores of its D / NW head dims: lane (row g = lane / 4, keys
 //      t + 4i) with its row's Q slice in registers, 4 broadcast K loads and 16 FMAs a

@@ -95,8 +95,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   };
   const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
   // (Issuing the first S stages before this barrier, as decode_tma_kernel does, held the
-  // consumers' Q loads back by 6 x 16 copies: D512 B1 Lk8192 2098 vs 2282 GB/s, H200,
-  // results/gpu_decode_bench_20261130T1832.json.)
+  // consumers' Q loads back by 6 x 16 copies: D512 B1 Lk8192 2098 vs 2282 GB/s on the
+  // H200.)
   if (tid == NW * 32) init_stage_ring<S>(full, empty, NW);
   __syncthreads();  // the barriers are initialized: from here on only mbarriers and bar 1
 

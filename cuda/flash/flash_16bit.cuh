@@ -37,3 +37,16 @@ cudaError_t launch_backward_16(const SdpaParams& p, const SdpaBwdBuffers& buf, f
 
 }  // namespace cuda_flash
 }  // namespace jax_sdpa
+
+// launch_forward_<suffix> / launch_backward_<suffix> for storage type T (flash_attention.h).
+#define JAX_SDPA_FLASH_16BIT_LAUNCHERS(suffix, T)                                             \
+  namespace jax_sdpa::cuda_flash {                                                           \
+  cudaError_t launch_forward_##suffix(const SdpaParams& p, const SdpaFwdBuffers& buf,         \
+                                      cudaStream_t stream) {                                 \
+    return launch_forward_16<T>(p, buf, stream);                                             \
+  }                                                                                          \
+  cudaError_t launch_backward_##suffix(const SdpaParams& p, const SdpaBwdBuffers& buf,        \
+                                       float* delta, float* dq_accum, cudaStream_t stream) { \
+    return launch_backward_16<T>(p, buf, delta, dq_accum, stream);                           \
+  }                                                                                          \
+  }

@@ -30,6 +30,7 @@
 
 #include "cuda/flash/flash_attention.h"
 #include "cuda/common/device_helpers.cuh"
+#include "cuda/common/kernel_args.h"
 #include "cuda/common/mma_helpers.cuh"
 #include "ffi/sdpa_params.h"
 
@@ -45,24 +46,12 @@ constexpr int kPadBytes = 16;  // per shared-memory row: 16-byte aligned, fewer 
 
 // mode: 0 = 16-bit inputs, 1 = tf32, 2 = 3xTF32.
 struct FwdArgs {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  float* lse;
+  JAX_SDPA_KERNEL_IO_FIELDS
   int B, Hq, G, Lq, Lk, D, Dv;
   int n_dv_chunks;
-  int64_t qs[3], ks[3], vs[3], os[3];
+  JAX_SDPA_KERNEL_STRIDE_FIELDS
   float scale;
-  int64_t wl, wr;
-  int bottom_right;
-  int mask_kind, mask_dtype;
-  const void* mask;
-  int64_t ms[4];
-  const float* sinks;
-  int64_t sinks_bs;
-  const int32_t* qlen;
-  const int32_t* kvlen;
+  JAX_SDPA_KERNEL_MASK_FIELDS
 };
 
 // ---- device helpers -------------------------------------------------------------
@@ -475,11 +464,7 @@ inline size_t fwd_smem_bytes(int D, int elem_size, int dvc) {
 
 inline FwdArgs make_fwd_args(const SdpaParams& p, const SdpaFwdBuffers& buf, int dvc) {
   FwdArgs a{};
-  a.q = buf.q;
-  a.k = buf.k;
-  a.v = buf.v;
-  a.out = buf.out;
-  a.lse = buf.lse;
+  cuda_common::set_call_fields(p, buf, &a);
   a.B = static_cast<int>(p.batch);
   a.Hq = static_cast<int>(p.heads_q);
   a.G = static_cast<int>(p.group());
@@ -488,24 +473,7 @@ inline FwdArgs make_fwd_args(const SdpaParams& p, const SdpaFwdBuffers& buf, int
   a.D = static_cast<int>(p.head_dim);
   a.Dv = static_cast<int>(p.head_dim_v);
   a.n_dv_chunks = static_cast<int>((p.head_dim_v + dvc - 1) / dvc);
-  for (int i = 0; i < 3; ++i) {
-    a.qs[i] = p.q_stride[i];
-    a.ks[i] = p.k_stride[i];
-    a.vs[i] = p.v_stride[i];
-    a.os[i] = p.o_stride[i];
-  }
   a.scale = static_cast<float>(p.scale);
-  a.wl = p.window_left;
-  a.wr = p.window_right;
-  a.bottom_right = p.bottom_right ? 1 : 0;
-  a.mask_kind = static_cast<int>(p.mask_kind);
-  a.mask_dtype = static_cast<int>(p.mask_dtype);
-  a.mask = p.mask;
-  for (int i = 0; i < 4; ++i) a.ms[i] = p.mask_stride[i];
-  a.sinks = p.sinks;
-  a.sinks_bs = p.sinks_batch_stride;
-  a.qlen = p.q_lengths;
-  a.kvlen = p.kv_lengths;
   return a;
 }
 

@@ -7,6 +7,7 @@
 
 #include "cuda/common/tuning_knobs.h"
 #include "cuda/flash/flash_bwd_tc.cuh"
+#include "cuda/flash/flash_tuning.h"
 #include "cuda/flash/flash_launch_checks.h"
 
 namespace jax_sdpa {
@@ -26,11 +27,9 @@ cudaError_t launch_t(const Args& a, int hk, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The TF32 backward's variant: flash_tuning.h's (flat_ldsm_kvreg); in tuning builds
 // JAX_SDPA_FLASH_BWD_VARIANT (read on every call; TF32 mode only, 3xTF32 always runs the
-// base kernel). Unset = flat_ldsm_kvreg, the fastest on the H200 (2026-11-30 sweep, SD3
-// fp32 fwd+bwd: base 74.3, flat 79.6, ldsm 77.4, flat_ldsm 82.2, flat_ldsm_kreg 82.8,
-// flat_ldsm_kvreg 84.7 TFLOP/s; D128 L8192: base 89.8, flat_ldsm 101.8); "base" / unknown
-// = the original kernel (variant 0).
+// base kernel) picks another, "base" / unknown = the original kernel (variant 0).
 //   flat            no run-time guards in the mma loops (kVarFlat)
 //   ldsm            ldmatrix fragments for S^T / dP^T and dQ's dS (kVarLdsm)
 //   flat_ldsm       both
@@ -38,7 +37,7 @@ cudaError_t launch_t(const Args& a, int hk, cudaStream_t stream) {
 //   flat_ldsm_kvreg + K's and V's A fragments in registers (same)
 int variant_from_env() {
   const char* v = tuning_knob("JAX_SDPA_FLASH_BWD_VARIANT");
-  if (v == nullptr || *v == 0) return kVarFlat | kVarLdsm | kVarKreg | kVarVreg;
+  if (v == nullptr || *v == 0) return tuning::kBwdTf32Variant;
   if (!std::strcmp(v, "flat")) return kVarFlat;
   if (!std::strcmp(v, "ldsm")) return kVarLdsm;
   if (!std::strcmp(v, "flat_ldsm")) return kVarFlat | kVarLdsm;
@@ -49,6 +48,8 @@ int variant_from_env() {
 
 template <int kD, int kBr>
 cudaError_t launch_tf32(const Args& a, int hk, int var, cudaStream_t stream) {
+  static_assert(tuning::kBwdTf32Variant == (kVarFlat | kVarLdsm | kVarKreg | kVarVreg),
+                "the product build instantiates flash_tuning.h's variant");
   switch (var) {
 #if JAX_SDPA_TUNING
     case kVarFlat: return launch_t<1, kD, kBr, kVarFlat>(a, hk, stream);

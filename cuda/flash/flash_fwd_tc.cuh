@@ -25,6 +25,7 @@
 
 #include "cuda/common/tuning_knobs.h"
 #include "cuda/flash/flash_attention.cuh"
+#include "cuda/flash/flash_tuning.h"
 
 namespace jax_sdpa {
 namespace cuda_flash {
@@ -378,11 +379,9 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
   return cudaGetLastError();
 }
 
-// Tile configurations, "<keys per tile>x<warps>s<stages>"; the default per head dim
-// was measured fastest on the H200 (2026-11-30, benchmarks/flash_fwd_sweep.py, TFLOP/s):
-// D <= 64, SD3 B2 H38 L4250: 64x4s2 88.5, 64x8s2 88.0, 64x8s3 93.2, 32x4s3 80.0
-// (causal L8192: 86.5 / - / 91.8 / 76.3); D <= 128, B1 H16 L8192: 32x8s2 115.6,
-// 32x4s2 74.3, 16x8s3 95.5. JAX_SDPA_FLASH_FWD_CFG (read on every call) picks another.
+// Tile configurations, "<keys per tile>x<warps>s<stages>": the default per head-dim class
+// from flash_tuning.h; in tuning builds JAX_SDPA_FLASH_FWD_CFG (read on every call) picks
+// another.
 template <int kMode>
 cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream,
                        bool wide, const char* cfg) {
@@ -396,13 +395,15 @@ cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStrea
     if (named("64x8s2")) return launch<kMode, 64, 64, 8, 2>(p, buf, stream);
     if (named("32x4s3")) return launch<kMode, 64, 32, 4, 3>(p, buf, stream);
 #endif
-    return launch<kMode, 64, 64, 8, 3>(p, buf, stream);  // "64x8s3"
+    return launch<kMode, 64, tuning::kFwdNarrowKeys, tuning::kFwdNarrowWarps,
+                  tuning::kFwdNarrowStages>(p, buf, stream);
   }
 #if JAX_SDPA_TUNING
   if (named("32x4s2")) return launch<kMode, 128, 32, 4, 2>(p, buf, stream);
   if (named("16x8s3")) return launch<kMode, 128, 16, 8, 3>(p, buf, stream);
 #endif
-  return launch<kMode, 128, 32, 8, 2>(p, buf, stream);  // "32x8s2"
+  return launch<kMode, 128, tuning::kFwdWideKeys, tuning::kFwdWideWarps,
+                tuning::kFwdWideStages>(p, buf, stream);
 }
 
 // Serves fp32 with D, Dv <= 128; returns cudaErrorNotSupported otherwise (the caller

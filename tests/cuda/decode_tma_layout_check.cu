@@ -1,8 +1,8 @@
-// Host-side check of decode_tma_kernel's shared-memory layout (cuda/decode_tma.cuh):
+// Host-side check of decode_tma_kernel's shared-memory layout (cuda/decode/decode_tma.cuh):
 // the head-dim order (qk_chunk), the dv order (pv_chunk) and the key-row permutation
 // (key_row) are bijections, and every 16-byte fragment load of a warp is free of bank
 // conflicts under the 128-byte swizzle (8 lanes a phase: their 16-byte bank groups must
-// differ). decode_wide_tma_kernel (cuda/decode_wide_tma.cuh) lands each 64-wide chunk of
+// differ). decode_wide_tma_kernel (cuda/decode/decode_wide_tma.cuh) lands each 64-wide chunk of
 // its 16-key tiles as its own swizzled tile and reads it with the D = Dv = 64 orders, so
 // check_qk<64> / check_pv<64> cover it too; decode_tma_kernel does the same at D = Dv =
 // 256 (kv_offset: one [keys][64] tile a chunk), check_qk<256> / check_pv<256>. Built and run by

@@ -1,0 +1,141 @@
+"""The float64 oracle (jax_sdpa/oracle.py) and the dispatch plan.
+
+The oracle is what every other test compares with, so it is checked here against first
+principles: a direct softmax on tiny shapes, its own finite differences for the backward, and
+the contract's NaN rules (a row whose visible logits hold a NaN is NaN; keys that are not
+visible never reach anything, whatever they hold; a row with nothing to attend is zeros)."""
+
+import numpy as np
+import pytest
+
+from jax_sdpa import oracle
+
+
+def _direct(q, k, v, scale, visible, sink=None):
+    """Softmax attention over the visible keys of one (batch, head), by definition."""
+    out = np.zeros((q.shape[0], v.shape[1]))
+    lse = np.full(q.shape[0], -np.inf)
+    for i in range(q.shape[0]):
+        js = np.flatnonzero(visible[i])
+        logits = [scale * q[i] @ k[j] for j in js] + ([sink] if sink is not None else [])
+        if not logits:
+            continue
+        m = max(logits)
+        total = sum(np.exp(x - m) for x in logits)
+        lse[i] = m + np.log(total)
+        for j in js:
+            out[i] += np.exp(scale * q[i] @ k[j] - lse[i]) * v[j]
+    return out, lse
+
+
+def test_forward_is_the_definition(rng):
+    b, hq, hk, lq, lk, d, dv = 2, 4, 2, 5, 7, 8, 6
+    q, k, v = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
+    sinks = rng.standard_normal(hq)
+    kvl = np.array([7, 3])
+    out, lse = oracle.forward(q, k, v, scale=0.3, mask="causal", sinks=sinks, kv_lengths=kvl)
+    for bi in range(b):
+        i = np.arange(lq)[:, None]
+        j = np.arange(lk)[None, :]
+        visible = (j <= i + kvl[bi] - lq) & (j < kvl[bi])
+        for h in range(hq):
+            want, want_lse = _direct(q[bi, h], k[bi, h // 2], v[bi, h // 2], 0.3, visible,
+                                     sinks[h])
+            np.testing.assert_allclose(out[bi, h], want, atol=1e-12)
+            np.testing.assert_allclose(lse[bi, h], want_lse, atol=1e-12)
+
+
+def test_backward_matches_finite_differences(rng):
+    b, hq, hk, lq, lk, d = 1, 2, 1, 4, 6, 5
+    q, k, v, dout = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hk, lk, d),
+                                                      (b, hk, lk, d), (b, hq, lq, d)))
+    mask = rng.standard_normal((1, hq, lq, lk))
+    sinks = rng.standard_normal(hq)
+    kw = dict(scale=0.4, mask=mask, sinks=sinks, q_lengths=np.array([3]), window_left=2)
+    grads = oracle.backward(q, k, v, dout, **kw)
+
+    def loss(q=q, k=k, v=v, mask=mask, sinks=sinks):
+        return float(np.sum(oracle.forward(q, k, v, **{**kw, "mask": mask, "sinks": sinks})[0]
+                            * dout))
+
+    eps = 1e-6
+    for name, x in (("dq", q), ("dk", k), ("dv", v), ("dmask", mask), ("dsinks", sinks)):
+        arg = {"dq": "q", "dk": "k", "dv": "v", "dmask": "mask", "dsinks": "sinks"}[name]
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            up, down = x.copy(), x.copy()
+            up[idx] += eps
+            down[idx] -= eps
+            fd[idx] = (loss(**{arg: up}) - loss(**{arg: down})) / (2 * eps)
+        np.testing.assert_allclose(grads[name], fd, atol=1e-6, err_msg=name)
+
+
+def test_nan_rows_and_invisible_keys(rng):
+    b, hq, lq, lk, d = 2, 2, 4, 6, 8
+    q, k, v = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hq, lk, d), (b, hq, lk, d)))
+    kvl = np.array([4, 6])
+    clean, _ = oracle.forward(q, k, v, kv_lengths=kvl)
+    # NaN / inf past the length never reach anything
+    k2, v2 = k.copy(), v.copy()
+    k2[0, :, 4:] = np.nan
+    v2[0, :, 5] = np.inf
+    out, lse = oracle.forward(q, k2, v2, kv_lengths=kvl)
+    np.testing.assert_array_equal(out, clean)
+    grads = oracle.backward(q, k2, v2, np.ones_like(q), kv_lengths=kvl)
+    assert all(np.isfinite(g).all() for g in grads.values())
+    np.testing.assert_array_equal(grads["dk"][0, :, 4:], 0)
+    # a NaN in one query row makes that row NaN, and only that row
+    q3 = q.copy()
+    q3[1, 0, 2, 3] = np.nan
+    out, lse = oracle.forward(q3, k, v, kv_lengths=kvl)
+    assert np.isnan(out[1, 0, 2]).all() and np.isnan(lse[1, 0, 2])
+    rest = np.ones(out.shape[:3], bool)
+    rest[1, 0, 2] = False
+    np.testing.assert_array_equal(out[rest], clean[rest])
+    # a NaN logit from a visible mask entry: its row only; a masked-out NaN key: nothing
+    mask = np.zeros((1, 1, lq, lk))
+    mask[0, 0, 1, 0] = np.nan
+    out, _ = oracle.forward(q, k, v, mask=mask)
+    assert np.isnan(out[:, :, 1]).all() and np.isfinite(np.delete(out, 1, axis=2)).all()
+    k4 = k.copy()
+    k4[:, :, 0] = np.nan
+    keep = np.ones((1, 1, 1, lk), bool)
+    keep[..., 0] = False
+    out, _ = oracle.forward(q, k4, v, mask=keep)
+    np.testing.assert_array_equal(out, oracle.forward(q, k, v, mask=keep)[0])
+    # nothing to attend: zeros and -inf (the sink's logit with sinks)
+    out, lse = oracle.forward(q, k, v, kv_lengths=np.array([0, 6]), sinks=np.array([0.5, -1.0]))
+    np.testing.assert_array_equal(out[0], 0)
+    np.testing.assert_array_equal(lse[0], np.array([0.5, -1.0])[:, None] + 0 * lse[0])
+
+
+@pytest.mark.parametrize("dtype, impl, grad, tf32, want", [
+    ("float32", "cpu", False, False, 1e-5), ("float32", "cpu", True, False, 2e-5),
+    ("float32", "cuda", False, True, 2e-3), ("float32", "cudnn", False, True, 1e-5),
+    ("float16", "cuda", False, False, 2 * 0.01 + 2e-3), ("bfloat16", "cpu", True, False,
+                                                          2 * 0.01 + 1.6e-2)])
+def test_one_tolerance_policy(dtype, impl, grad, tf32, want):
+    xla = 0.01 if dtype != "float32" else None
+    assert oracle.tolerance(dtype, impl, grad=grad, xla_error=xla, tf32=tf32) == pytest.approx(want)
+
+
+def test_one_plan_per_lowering():
+    """dispatch.plan decides implementation, target, workspace and reason together."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sdpa import dispatch
+    from jax_sdpa.config import Config, StaticParams
+
+    s = jax.ShapeDtypeStruct((1, 4, 64, 32), jnp.float32)
+    cfg = Config.from_shapes(s.shape, s.shape, s.shape, s.dtype, None, None, False, False, False,
+                             StaticParams(scale=0.2))
+    for impl in ("xla", "xla_chunked"):
+        p = dispatch.plan(cfg, "cpu", "fwd", impl)
+        assert (p.implementation, p.target, p.workspace_bytes) == (impl, None, 0) and p.reason
+    p = dispatch.plan(cfg, "cpu", "bwd")
+    assert p.implementation == dispatch.choose(cfg, "cpu", "bwd")
+    if p.target is not None:
+        assert p.target == f"jax_sdpa_{p.implementation}_bwd" and p.workspace_bytes == 0
+    with pytest.raises(NotImplementedError, match="cudnn"):
+        dispatch.plan(cfg, "cpu", "fwd", "cudnn")
