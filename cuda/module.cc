@@ -43,6 +43,17 @@ jax_sdpa::SdpaParams shape(const std::string& dtype, int64_t batch, int64_t head
   return p;
 }
 
+// m.name(dtype, batch, heads_q, heads_kv, len_q, len_kv, head_dim, head_dim_v) = fact(shape).
+template <typename Fact>
+void def_shape_fact(nb::module_& m, const char* name, Fact fact, const char* doc) {
+  m.def(
+      name,
+      [fact](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
+             int64_t d, int64_t dv) { return fact(shape(dtype, b, hq, hk, lq, lk, d, dv)); },
+      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
+      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"), doc);
+}
+
 }  // namespace
 
 NB_MODULE(_sdpa_cuda, m) {
@@ -53,13 +64,8 @@ NB_MODULE(_sdpa_cuda, m) {
 
   m.def("decode_head_dims", &decode::built_head_dims,
         "The (D, Dv) pairs the decode kernels are built for.");
-  m.def(
-      "decode_unsupported_reason",
-      [](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
-         int64_t d, int64_t dv) { return decode::unsupported_reason(shape(dtype, b, hq, hk, lq, lk, d, dv)); },
-      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
-      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"),
-      "Why the decode kernels can't serve these shapes ('' when they can).");
+  def_shape_fact(m, "decode_unsupported_reason", &decode::unsupported_reason,
+                 "Why the decode kernels can't serve these shapes ('' when they can).");
   m.def(
       "decode_workspace_bytes",
       [](int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk, int64_t dv) {
@@ -68,22 +74,12 @@ NB_MODULE(_sdpa_cuda, m) {
       nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("len_q"),
       nb::arg("len_kv"), nb::arg("head_dim_v"),
       "Bytes of the decode target's uint8 workspace result for these shapes (>= 256).");
-  m.def(
-      "decode_default_kernel",
-      [](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
-         int64_t d, int64_t dv) {
-        return std::string(decode::default_kernel_name(shape(dtype, b, hq, hk, lq, lk, d, dv)));
-      },
-      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
-      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"),
+  def_shape_fact(
+      m, "decode_default_kernel",
+      [](const jax_sdpa::SdpaParams& p) { return std::string(decode::default_kernel_name(p)); },
       "The decode kernel the default plan runs on an sm_90+ GPU ('' where not built).");
-  m.def(
-      "flash_unsupported_reason",
-      [](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
-         int64_t d, int64_t dv) { return flash::unsupported_reason(shape(dtype, b, hq, hk, lq, lk, d, dv)); },
-      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
-      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"),
-      "Why the flash kernels can't serve these shapes ('' when they can).");
+  def_shape_fact(m, "flash_unsupported_reason", &flash::unsupported_reason,
+                 "Why the flash kernels can't serve these shapes ('' when they can).");
   m.def(
       "flash_wgmma_serves",
       [](bool backward, const std::string& dtype, int64_t d, int64_t dv, int cc_major,

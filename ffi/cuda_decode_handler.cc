@@ -45,11 +45,10 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                               &buf);
       e.failure())
     return e;
-  const std::string why = cuda_decode::unsupported_reason(p);
-  if (!why.empty())
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda decode: " + why);
-
-  if (auto e = poison_outputs("cuda decode", stream, {&*out, &*lse}); e.failure()) return e;
+  if (auto e = refuse_or_poison("cuda decode", cuda_decode::unsupported_reason(p), stream,
+                                {&*out, &*lse});
+      e.failure())
+    return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
   // The workspace (any dtype, read as bytes; the Python side makes it uint8): its

@@ -45,4 +45,14 @@ inline ffi::Error poison_outputs(const char* who, cudaStream_t stream,
   return ffi::Error::Success();
 }
 
+// What a CUDA handler does between unpacking a call and running its kernels: refuse what its
+// backend can't serve (`why` not empty: kUnimplemented, "jax_sdpa <who>: <why>"), then poison
+// the outputs when the tests ask.
+inline ffi::Error refuse_or_poison(const char* who, const std::string& why, cudaStream_t stream,
+                                   std::initializer_list<const ffi::AnyBuffer*> outputs) {
+  if (!why.empty())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string("jax_sdpa ") + who + ": " + why);
+  return poison_outputs(who, stream, outputs);
+}
+
 }  // namespace jax_sdpa

@@ -55,11 +55,10 @@ ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                               &buf);
       e.failure())
     return e;
-  const std::string why = cuda_flash::unsupported_reason(p);
-  if (!why.empty())
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda flash: " + why);
-
-  if (auto e = poison_outputs("cuda flash", stream, {&*out, &*lse}); e.failure()) return e;
+  if (auto e = refuse_or_poison("cuda flash", cuda_flash::unsupported_reason(p), stream,
+                                {&*out, &*lse});
+      e.failure())
+    return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
@@ -81,11 +80,10 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                                kv_lengths, *dq, *dk, *dv, &p, &buf);
       e.failure())
     return e;
-  const std::string why = cuda_flash::unsupported_reason(p);
-  if (!why.empty())
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda flash: " + why);
-
-  if (auto e = poison_outputs("cuda flash", stream, {&*dq, &*dk, &*dv}); e.failure()) return e;
+  if (auto e = refuse_or_poison("cuda flash", cuda_flash::unsupported_reason(p), stream,
+                                {&*dq, &*dk, &*dv});
+      e.failure())
+    return e;
   if (dq->size_bytes() + dk->size_bytes() + dv->size_bytes() == 0) return ffi::Error::Success();
 
   void* work = nullptr;

@@ -78,7 +78,7 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
     if max(cfg.head_dim, cfg.head_dim_v) > 512:
         return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
     return _ok("native flash-attention kernel: faster than xla on every CPU shape measured "
-               "(benchmarks/results/cpu_*), O(L) memory")
+               "(benchmarks/results/cpu_2core/), O(L) memory")
 
 
 def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
@@ -225,6 +225,16 @@ def _cuda_target(kernel: str, direction: str) -> str:
     return CUDA_DECODE_TARGET if kernel == "decode" else f"jax_sdpa_cuda_flash_{direction}"
 
 
+def _native_refusal(cfg: Config, family: str, label: str) -> Optional[Verdict]:
+    """The native refusal of one of our kernel families ("decode" | "flash"), None if it
+    serves the shapes."""
+    native = _native()
+    if native is None:
+        return _no("our CUDA kernels are not built into this installation")
+    why = getattr(native, f"{family}_unsupported_reason")(*_shape_args(cfg))
+    return _no(f"{label}: {why}") if why else None
+
+
 def _decode_verdict(call: "_Call") -> Verdict:
     cfg = call.cfg
     if call.direction == "bwd":
@@ -234,13 +244,9 @@ def _decode_verdict(call: "_Call") -> Verdict:
     if not cfg.is_decode:
         return _no("the decode kernel serves few-query (decode) shapes only "
                    f"(Lq = {cfg.len_q}, {cfg.group} query heads per kv head)")
-    native = _native()
-    if native is None:
-        return _no("our CUDA kernels are not built into this installation")
-    why = native.decode_unsupported_reason(*_shape_args(cfg))
-    if why:
-        return _no(f"the decode kernel: {why}")
-    kernel = native.decode_default_kernel(*_shape_args(cfg))
+    if (r := _native_refusal(cfg, "decode", "the decode kernel")) is not None:
+        return r
+    kernel = _native().decode_default_kernel(*_shape_args(cfg))
     return _ok(f"our decode kernel (split-K over the kv cache; "
                f"{_DECODE_KERNEL_TEXT.get(kernel, kernel)})")
 
@@ -280,12 +286,8 @@ def _flash_verdict(call: "_Call") -> Verdict:
     cfg = call.cfg
     if (r := _common_fused_checks(cfg)) is not None:
         return r
-    native = _native()
-    if native is None:
-        return _no("our CUDA kernels are not built into this installation")
-    why = native.flash_unsupported_reason(*_shape_args(cfg))
-    if why:
-        return _no(f"the flash kernels: {why}")
+    if (r := _native_refusal(cfg, "flash", "the flash kernels")) is not None:
+        return r
     if cfg.dtype == np.dtype(np.float32):
         precision = ("3xTF32, ~fp32 accurate (matmul precision 'highest')"
                      if cfg.params.fp32_precision == FP32_PRECISION_HIGHEST else

@@ -278,23 +278,24 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
   if (rb != 8 || p.dtype == DType::kF32 || p.head_dim != p.head_dim_v) return false;
   if (p.head_dim == 128 && !req.tma_off) {
     v->tma = true;
-    v->warps = units >= sms ? tuning::kTma128WarpsFilled : tuning::kTma128WarpsSparse;
-    v->stages = tuning::kTma128Stages;
+    const tuning::Shape& s = units >= sms ? tuning::kTma128Filled : tuning::kTma128Sparse;
+    v->warps = s.warps;
+    v->stages = s.stages;
     v->prefetch = 0;
     return true;
   }
   if (p.head_dim == 256 && !req.tma_off) {
     v->tma = true;
-    v->warps = tuning::kTma256Warps;
-    v->stages = tuning::kTma256Stages;
+    v->warps = tuning::kTma256.warps;
+    v->stages = tuning::kTma256.stages;
     v->prefetch = 0;
     return true;
   }
   if (p.head_dim == 512 && !req.wide_tma_off) {
     v->tma = v->wide = true;
-    v->warps = tuning::kWideTmaWarps;
-    v->stages = tuning::kWideTmaStages;
-    v->step_tiles = tuning::kWideTmaStepTiles;
+    v->warps = tuning::kWideTma.warps;
+    v->stages = tuning::kWideTma.stages;
+    v->step_tiles = tuning::kWideTma.step_tiles;
     return true;
   }
   return false;
@@ -490,11 +491,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   }
   if (wide_f32_default(p, want, req)) {
     // fp32 D = Dv = 512: decode_wide_f32_kernel, the first of its stage counts that fits.
-    for (const int stages : tuning::kWideF32Stages) {
+    for (const tuning::Shape& s : tuning::kWideF32) {
       KernelVariant wide;
       wide.wide = true;
-      wide.warps = tuning::kWideF32Warps;
-      wide.stages = stages;
+      wide.warps = s.warps;
+      wide.stages = s.stages;
       const KernelInfo alt = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, wide);
       if (alt.func != nullptr && alt.variant.wide && alt.smem <= f.max_smem_optin) {
         k = alt;

@@ -297,7 +297,7 @@ KernelInfo tc_select(const KernelVariant& want) {
     // Default at D512: the wide kernel (decode_tuning.h). CFG=4,1 (or an L2 setting) still
     // reaches decode_tc_kernel.
     if (w == 0 && s == 0 && pf < 0)
-      return wide_info<T, D, DV, tuning::kWideWarps, tuning::kWideStages>();
+      return wide_info<T, D, DV, tuning::kWide.warps, tuning::kWide.stages>();
   }
   constexpr int W0 = TcDefault<D, DV>::W, S0 = TcDefault<D, DV>::S;
 #if JAX_SDPA_TUNING

@@ -9,6 +9,12 @@ namespace jax_sdpa {
 namespace cuda_decode {
 namespace tuning {
 
+// A kernel's shape: warps (W, or NW where the warps split the head dims), ring stages (S),
+// stages a consumer step (KT, the wide TMA kernel).
+struct Shape {
+  int warps, stages, step_tiles;
+};
+
 // decode_tc_kernel's K/V copies ask the L2 for whole 128-byte lines (cp.async .L2::128B).
 // none / 128 / 256 bytes: B8 Lk8192 D128 3219 / 3306 / 3107, B1 Lk32768 2739 / 2786 / 2632,
 // B64 Lk2048 3541 / 3648 / 3402, D512 B1 1860 / 1872 / 1818; fp32 B8 Lk8192 D128
@@ -27,29 +33,24 @@ constexpr int kTcStages = (D + DV <= 256) ? 2 : 1;
 // 16-bit D = Dv = 512 where the TMA kernels can't run: decode_wide_kernel (the warps split
 // the head dims), NW4 S3: B1 H32/KV4 Lk8192 bf16 31.7 vs 36.4 us a call with
 // decode_tc_kernel, fp16 Lk1024 14.5 vs 16.0 (sweep_20261130T1359.json).
-constexpr int kWideWarps = 4;
-constexpr int kWideStages = 3;
+constexpr Shape kWide{4, 3, 0};
 
 // decode_tma_kernel, 16-bit D = Dv = 128 (8 rows a block, sm_90+): S2 with W8 while the
 // units leave SMs idle, W4 once they fill them (two blocks an SM beat W8's one):
 // decode_tc_kernel -> TMA: B8 H32/KV8 Lk8192 3323 -> 3592 (W8), B1 Lk32768 2784 -> 2965
 // (W8), B64 Lk2048 3661 -> 4006 (W4) (sweep_20261130T1514.json). Not at 16 rows a block:
 // 174.6 us where cuDNN took 113.2 (crossover_20261130T1522.json).
-constexpr int kTma128WarpsSparse = 8;
-constexpr int kTma128WarpsFilled = 4;
-constexpr int kTma128Stages = 2;
+constexpr Shape kTma128Sparse{8, 2, 0};
+constexpr Shape kTma128Filled{4, 2, 0};
 
 // decode_tma_kernel, D = Dv = 256: W4 S3 (201 KB, one block an SM): B1 H32/KV8 Lk8192 2400
 // (W4 S2 2373, W6 S2 2309, W2 S4 2120, decode_tc_kernel 2328); B16 Lk4096 4029 (W4 S2 4023,
 // decode_tc_kernel 3516) (sweep_20261130T1954.json).
-constexpr int kTma256Warps = 4;
-constexpr int kTma256Stages = 3;
+constexpr Shape kTma256{4, 3, 0};
 
 // decode_wide_tma_kernel, 16-bit D = Dv = 512: NW4 consumer warps, S6 stages of 16 keys,
 // KT2 stages a consumer step (sweep_20261130T1702.json).
-constexpr int kWideTmaWarps = 4;
-constexpr int kWideTmaStages = 6;
-constexpr int kWideTmaStepTiles = 2;
+constexpr Shape kWideTma{4, 6, 2};
 
 // The TMA kernels' tensor maps fetch 128-byte L2 lines. 256 / 128 / none, W8 S3: B8 Lk8192
 // 3386 / 3589 / 3570, B1 Lk32768 2862 / 2950 / 2958, B64 Lk2048 3670 / 3855 / 3849
@@ -59,8 +60,7 @@ constexpr int kTmaL2Bytes = 128;
 // fp32 D = Dv = 512: decode_wide_f32_kernel, NW8 S3 (S2 where its 202 KB don't fit):
 // B1 H32/KV4 Lk8192 2258 GB/s (S2 2129) where decode_simt_kernel streamed 1374
 // (sweep_20261130T1818.json).
-constexpr int kWideF32Warps = 8;
-constexpr int kWideF32Stages[] = {3, 2};
+constexpr Shape kWideF32[] = {{8, 3, 0}, {8, 2, 0}};
 
 // Least K + V bytes a split takes: enough to amortize a block's start and its partial.
 constexpr int kMinSplitKiB = 64;

@@ -395,15 +395,15 @@ cudaError_t launch_cfg(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStrea
     if (named("64x8s2")) return launch<kMode, 64, 64, 8, 2>(p, buf, stream);
     if (named("32x4s3")) return launch<kMode, 64, 32, 4, 3>(p, buf, stream);
 #endif
-    return launch<kMode, 64, tuning::kFwdNarrowKeys, tuning::kFwdNarrowWarps,
-                  tuning::kFwdNarrowStages>(p, buf, stream);
+    constexpr tuning::FwdTile t = tuning::kFwdNarrow;
+    return launch<kMode, 64, t.keys, t.warps, t.stages>(p, buf, stream);
   }
 #if JAX_SDPA_TUNING
   if (named("32x4s2")) return launch<kMode, 128, 32, 4, 2>(p, buf, stream);
   if (named("16x8s3")) return launch<kMode, 128, 16, 8, 3>(p, buf, stream);
 #endif
-  return launch<kMode, 128, tuning::kFwdWideKeys, tuning::kFwdWideWarps,
-                tuning::kFwdWideStages>(p, buf, stream);
+  constexpr tuning::FwdTile t = tuning::kFwdWide;
+  return launch<kMode, 128, t.keys, t.warps, t.stages>(p, buf, stream);
 }
 
 // Serves fp32 with D, Dv <= 128; returns cudaErrorNotSupported otherwise (the caller

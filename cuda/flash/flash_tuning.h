@@ -8,18 +8,19 @@ namespace jax_sdpa {
 namespace cuda_flash {
 namespace tuning {
 
+// A forward tile configuration, "<keys>x<warps>s<stages>".
+struct FwdTile {
+  int keys, warps, stages;
+};
+
 // flash_fwd_tc_kernel (fp32, D, Dv <= 64): 64 keys a tile, 8 warps, 3 K/V stages (174 KB,
 // one block an SM). SD3 B2 H38 L4250: 64x4s2 88.5, 64x8s2 88.0, 64x8s3 93.2, 32x4s3 80.0;
 // causal L8192: 86.5 / - / 91.8 / 76.3 (fwd_sweep.json).
-constexpr int kFwdNarrowKeys = 64;
-constexpr int kFwdNarrowWarps = 8;
-constexpr int kFwdNarrowStages = 3;
+constexpr FwdTile kFwdNarrow{64, 8, 3};
 
 // ... (D, Dv <= 128): 32 keys, 8 warps, 2 stages (203 KB). B1 H16 L8192: 32x8s2 115.6,
 // 32x4s2 74.3, 16x8s3 95.5 (fwd_sweep.json).
-constexpr int kFwdWideKeys = 32;
-constexpr int kFwdWideWarps = 8;
-constexpr int kFwdWideStages = 2;
+constexpr FwdTile kFwdWide{32, 8, 2};
 
 // flash_bwd_tc_kernel (TF32): no run-time guards in the mma loops (flat), ldmatrix fragments
 // (ldsm), and at D <= 64 K's and V's A fragments in registers (kreg, vreg). SD3 fwd+bwd:
