@@ -3,11 +3,13 @@
     jax_sdpa.scaled_dot_product_attention(q, k, v, ...)   # MLX's contract, [B, H, L, D]
     jax_sdpa.dot_product_attention(query, key, value, ...)  # jax.nn's contract, [B, T, N, H]
     jax_sdpa.explain(q, k, v, ...)                          # who serves a call, and why
+    jax_sdpa.disabled_export_checks()                       # for jax.export of calls to it
 """
 
 from jax_sdpa.api import (Explanation, dot_product_attention, explain,
                           scaled_dot_product_attention)
 from jax_sdpa.dispatch import IMPLEMENTATIONS
+from jax_sdpa.export import disabled_export_checks
 from jax_sdpa.ring import ring_attention  # noqa: E402  context parallelism (shard_map)
 
 __version__ = "0.1.0"
@@ -18,5 +20,6 @@ __all__ = [
     "explain",
     "Explanation",
     "IMPLEMENTATIONS",
+    "disabled_export_checks",
     "__version__",
 ]

@@ -10,8 +10,11 @@ load only makes its implementations unavailable (dispatch says why).
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import jax
+
+from jax_sdpa import build_info
 
 # module -> XLA platform name its handlers run on
 _MODULES = {"_sdpa_cpu": "cpu", "_sdpa_metal": "cpu", "_sdpa_cuda": "CUDA"}
@@ -44,19 +47,41 @@ def has_backend(implementation: str) -> bool:
     return f"jax_sdpa_{implementation}_fwd" in _targets
 
 
+def ffi_targets() -> list:
+    """Names of every FFI target registered from the compiled modules, sorted."""
+    _load()
+    return sorted(_targets)
+
+
 def module(name: str):
     _load()
     return _modules.get(name)
 
 
+def unavailable_reason(backend: str) -> Optional[str]:
+    """Why backend `backend` ("cpu", "cuda", "metal") can't run here, with the command that
+    fixes it; None when its module is loaded."""
+    _load()
+    name = build_info.MODULES[backend]
+    if name in _modules:
+        return None
+    if not build_info.backend(backend).get("built"):
+        return "not built: " + build_info.not_built_reason(backend)
+    error = _load_errors.get(name, "?")
+    fix = ""
+    if backend == "cuda" and "libcudnn" in error:
+        fix = f"; to fix: {build_info.cuda_runtime_fix()}"
+    return f"built, but failed to load ({error}){fix}"
+
+
 def status() -> dict:
-    """What is built: {module: 'loaded' | error message}."""
+    """What is built: {module: 'loaded: targets' | why not, and the fix}."""
     _load()
     out = {}
-    for name in _MODULES:
+    for backend, name in build_info.MODULES.items():
         if name in _modules:
             out[name] = "loaded: " + ", ".join(
                 sorted(t for t, m in _targets.items() if m == name))
         else:
-            out[name] = "not available (" + _load_errors.get(name, "?") + ")"
+            out[name] = unavailable_reason(backend)
     return out

@@ -338,6 +338,7 @@ class Explanation:
         for name, (ok, reason) in self.verdicts.items():
             mark = "*" if name == self.chosen else ("+" if ok else "-")
             lines.append(f"  {mark} {name:12s} {reason}")
+        lines.append("  (* what implementation=None runs, + can serve this call too, - can't)")
         return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ Works with or without native backends built (the pure-JAX implementations always
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Optional
@@ -52,9 +53,36 @@ def _sample_explains():
     return out
 
 
+def _cudnn_line() -> Optional[str]:
+    """The libcudnn this process loaded, beside the headers the CUDA module was built with."""
+    from jax_sdpa import _ext, dispatch
+
+    module = _ext.module("_sdpa_cuda")
+    if module is None:
+        return None
+    version = int(module.cudnn_version())
+    path = _loaded_library("libcudnn.so") or "?"
+    loaded = dispatch._cudnn_version_str(version) if version > 0 else "unknown"
+    return (f"cuDNN: {loaded} loaded from {path} (built against headers "
+            f"{dispatch._cudnn_version_str(dispatch.cudnn_header_version())})")
+
+
+def _loaded_library(stem: str) -> Optional[str]:
+    """Path of the shared library named `stem`* mapped into this process (Linux)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith(stem):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def cmd_info(args) -> int:
     import jax_sdpa
-    from jax_sdpa import _ext, bench
+    from jax_sdpa import _ext, bench, build_info
 
     v = bench.versions()
     _print(f"jax_sdpa {v['jax_sdpa']}   jax {v['jax']}   jaxlib {v['jaxlib']}   "
@@ -64,6 +92,11 @@ def cmd_info(args) -> int:
     _print("built backends:")
     for name, state in _ext.status().items():
         _print(f"  {name:12s} {state}")
+    for line in build_info.lines():
+        _print(f"  {line}")
+    cudnn = _cudnn_line()
+    if cudnn:
+        _print(f"  {cudnn}")
     _print(f"implementations: {', '.join(jax_sdpa.IMPLEMENTATIONS)}")
     for title, ex in _sample_explains():
         _print(f"\n{title}")
@@ -140,18 +173,20 @@ def _tolerance(impl, dtype, xla_err):
 
 
 def run_checks(implementations=None, quick=False, seed=None, out=None) -> int:
-    """Prints one line per implementation x case x direction; returns the failure count."""
+    """Prints one line per implementation x case x direction; returns the failure count
+    (1 when every check was skipped: nothing was shown to work)."""
     import jax_sdpa
     from jax_sdpa import bench, dispatch, oracle
 
     out = out or sys.stdout
     platform = bench.default_platform()
+    _check_names(implementations or ())
     impls = implementations or bench.available_implementations(platform,
                                                                include_emulator=True)
     seed = int(np.random.default_rng().integers(2**31)) if seed is None else seed
     _print(f"check on platform {platform}: implementations {', '.join(impls)} "
            f"(seed {seed}; oracle: jax_sdpa.oracle in float64)", file=out)
-    failures = 0
+    failures = ran = 0
     for ci, case in enumerate(_check_cases(quick)):
         name, b, hq, hk, lq, lk, d, dv, dtype, _ = case
         q, k, v, do, kw = _make_check_inputs(case, seed + ci)
@@ -188,6 +223,7 @@ def run_checks(implementations=None, quick=False, seed=None, out=None) -> int:
                 except Exception as e:  # report, don't stop
                     if report:
                         failures += 1
+                        ran += 1
                         msg = (str(e).strip().splitlines() or [""])[0][:200]
                         _print(f"FAIL {label}  {type(e).__name__}: {msg}", file=out)
                     continue
@@ -195,19 +231,63 @@ def run_checks(implementations=None, quick=False, seed=None, out=None) -> int:
                     xla_err[direction] = err
                 if not report:
                     continue
+                ran += 1
                 tol = _tolerance(impl, dtype, xla_err.get(direction))
                 good = finite and err <= tol
                 failures += not good
                 _print(f"{'ok  ' if good else 'FAIL'} {label}  max rel err {err:.2e} "
                        f"(tol {tol:.0e}){'' if finite else ', non-finite values'}", file=out)
-    _print(f"{'all passed' if not failures else f'{failures} FAILED'}", file=out)
+    if failures:
+        _print(f"{failures} FAILED", file=out)
+    elif not ran:
+        _print("no check ran: every case was skipped", file=out)
+        return 1
+    else:
+        _print("all passed", file=out)
     return failures
 
 
 def cmd_check(args) -> int:
+    from jax_sdpa import bench
+
     impls = args.implementation or None
+    try:
+        missing = _unavailable(impls or (), bench.default_platform())
+    except ValueError as e:
+        _print(f"jax-sdpa check: {e}", file=sys.stderr)
+        return 2
+    if missing:
+        for name, why in missing.items():
+            _print(f"jax-sdpa check: {name} can't run here: {why}", file=sys.stderr)
+        return 2
     failures = run_checks(impls, quick=args.quick, seed=args.seed)
     return 1 if failures else 0
+
+
+def _unavailable(names, platform) -> dict:
+    """{name: why} for the named implementations that can't run on this platform at all
+    (not built, or another platform's); ValueError for a name that is no implementation."""
+    import jax_sdpa
+    from jax_sdpa import bench, dispatch
+
+    _check_names(names)
+    here = bench.available_implementations(platform, include_emulator=True)
+    missing = [n for n in names if n not in here]
+    if not missing:
+        return {}
+    # the verdict on a small float32 call says why (not built, or another platform's)
+    s = jax.ShapeDtypeStruct((1, 2, 8, 32), jnp.float32)
+    cfg = jax_sdpa.explain(s, s, s, platform=platform).config
+    return {n: dispatch.supports(n, cfg, "fwd", platform)[1] for n in missing}
+
+
+def _check_names(names):
+    from jax_sdpa import dispatch
+
+    for name in names:
+        if name not in dispatch.IMPLEMENTATIONS:
+            raise ValueError(f"unknown implementation {name!r}; the implementations are: "
+                             + ", ".join(dispatch.IMPLEMENTATIONS))
 
 
 # ---------------------------------------------------------------------------
@@ -221,6 +301,13 @@ def cmd_bench(args) -> int:
             _print(f"{name:12s} {len(cases)} cases, {'/'.join(dirs)}: "
                    + "; ".join(c.name for c in cases))
         return 0
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before minutes of timing)
+        except ImportError:
+            _print("jax-sdpa bench: --plot needs matplotlib: pip install 'jax_sdpa[bench]'",
+                   file=sys.stderr)
+            return 2
     impls = args.implementation or None
     report = bench.run_suite(args.suite, implementations=impls,
                              directions=args.direction or None, min_time=args.min_time,
@@ -446,6 +533,13 @@ def cmd_demo(args) -> int:
 
 # ---------------------------------------------------------------------------
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jax_sdpa import bench
 
@@ -457,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_info)
 
     s = sub.add_parser("demo", help="the example GPT beside Flax's default attention")
-    s.add_argument("--steps", type=int, default=16, help="decode steps (default 16)")
+    s.add_argument("--steps", type=_positive_int, default=16, help="decode steps (default 16)")
     s.add_argument("--small", action="store_true", help="a tiny model (seconds)")
     s.set_defaults(fn=cmd_demo)
 
@@ -466,16 +560,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="three cases only")
     s.add_argument("--implementation", "-i", action="append",
                    help="check only this implementation (repeatable)")
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None,
+                   help="seed of the random inputs (default: a fresh one, printed)")
     s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("bench", help="benchmark suites beside jax.nn")
-    s.add_argument("--suite", default=bench.DEFAULT_SUITE, choices=sorted(bench.SUITES))
+    s.add_argument("--suite", default=bench.DEFAULT_SUITE, choices=sorted(bench.SUITES),
+                   metavar="SUITE",
+                   help=f"which cases to time (default {bench.DEFAULT_SUITE}; --list shows "
+                        f"each suite's shapes): {', '.join(sorted(bench.SUITES))}")
     s.add_argument("--list", action="store_true", help="list the suites and exit")
     s.add_argument("--implementation", "-i", action="append",
                    help="only these (repeatable; jax.nn peers as 'jax.nn:xla', "
                         "'jax.nn:cudnn')")
-    s.add_argument("--direction", action="append", choices=["fwd", "fwd+bwd"])
+    s.add_argument("--direction", action="append", choices=["fwd", "fwd+bwd"],
+                   help="time only the forward, or forward + backward (repeatable; default: "
+                        "the suite's)")
     s.add_argument("--min-time", type=float, default=0.3,
                    help="seconds of repeats per measurement (default 0.3)")
     s.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -113,12 +113,13 @@ class Config:
     def from_shapes(q_shape, k_shape, v_shape, dtype, mask_shape, mask_dtype,
                     has_sinks, has_q_lengths, has_kv_lengths,
                     params: StaticParams, sinks_batch: int = 1) -> "Config":
-        if params.seq_major:
-            b, lq, hq, d = q_shape
-            _, lk, hk, _ = k_shape
-        else:
-            b, hq, lq, d = q_shape
-            _, hk, lk, _ = k_shape
+        axes = (0, 2, 1, 3) if params.seq_major else (0, 1, 2, 3)  # b, h, l, d
+        b, hq, lq, d = (_concrete(q_shape[a], f"q.shape[{a}] ({what})")
+                        for a, what in zip(axes, ("batch", "query heads", "query length",
+                                                  "head dim")))
+        hk, lk = (_concrete(k_shape[a], f"k.shape[{a}] ({what})")
+                  for a, what in zip(axes[1:3], ("kv heads", "kv length")))
+        _concrete(v_shape[-1], f"v.shape[{len(v_shape) - 1}] (value head dim)")
         if mask_shape is None:
             kind, mdtype = MASK_NONE, None
         else:
@@ -132,3 +133,14 @@ class Config:
             mask_dtype=mdtype, has_sinks=bool(has_sinks),
             has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
             params=params)
+
+
+def _concrete(dim, what: str) -> int:
+    """A shape entry as an int; a symbolic dimension (jax.export shape polymorphism) raises,
+    naming it: the kernels, their launch shapes and the choice among them need sizes."""
+    if isinstance(dim, (int, np.integer)):
+        return int(dim)
+    raise NotImplementedError(
+        f"jax_sdpa: {what} is the symbolic dimension {str(dim)!r}; jax_sdpa needs concrete "
+        f"shapes (its kernels and the choice among them depend on them): export with a "
+        f"concrete size, one export per size")

@@ -52,6 +52,11 @@ def _platform_check(name, platform):
     return None
 
 
+def _backend_missing(backend: str) -> str:
+    """Why a backend's module is not here (not built, or failed to load) and the fix."""
+    return _ext.unavailable_reason(backend) or "its FFI targets are not registered"
+
+
 def _common_fused_checks(cfg: Config):
     if cfg.dtype not in _FLOAT_DTYPES:
         return _no(f"dtype {cfg.dtype} is not float32, float16 or bfloat16")
@@ -72,7 +77,7 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
     if (r := _platform_check("cpu", platform)) is not None:
         return r
     if not _ext.has_backend("cpu"):
-        return _no("the native CPU kernel is not built into this installation")
+        return _no(f"the native CPU kernel: {_backend_missing('cpu')}")
     if (r := _common_fused_checks(cfg)) is not None:
         return r
     if max(cfg.head_dim, cfg.head_dim_v) > 512:
@@ -88,8 +93,7 @@ def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
     if (r := _platform_check("metal", platform)) is not None:
         return r
     if not _ext.has_backend("metal"):
-        return _no("the Metal backend is not built into this installation "
-                   "(macOS with Metal, or Linux with JAX_SDPA_METAL_EMULATOR)")
+        return _no(f"the Metal backend: {_backend_missing('metal')}")
     mod = _ext.module("_sdpa_metal")
     if mod is not None and hasattr(mod, "available") and not mod.available():
         return _no(f"no Metal device: {mod.describe()}")
@@ -109,7 +113,7 @@ def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
 
 
 def _cudnn_facts():
-    """(runtime cuDNN version, (major, minor) of the weakest visible GPU), cached.
+    """(loaded cuDNN version, (major, minor) of the weakest visible GPU), cached.
     (-1, (0, 0)) when they can't be read."""
     global _CUDNN_FACTS
     if _CUDNN_FACTS is None:
@@ -146,6 +150,12 @@ def _shape_args(cfg: Config):
             cfg.head_dim, cfg.head_dim_v)
 
 
+def cudnn_header_version() -> int:
+    """CUDNN_VERSION of the headers the CUDA module was built with (-1: no module)."""
+    native = _native()
+    return -1 if native is None else int(native.cudnn_compiled_version())
+
+
 def _supports_cudnn(call: "_Call") -> Verdict:
     """What our cuDNN graphs (cuda/cudnn/cudnn_sdpa.cc) serve; cuDNN's own support check
     still runs when the graph is built and its message is raised if it refuses."""
@@ -154,13 +164,17 @@ def _supports_cudnn(call: "_Call") -> Verdict:
         return r
     native = _native()
     if not _ext.has_backend("cudnn") or native is None:
-        return _no("the cuDNN backend is not built into this installation")
+        return _no(f"the CUDA backend (cuDNN graphs): {_backend_missing('cuda')}")
     if cfg.dtype not in (np.dtype(np.float16), np.dtype("bfloat16")):
         return _no(f"cuDNN SDPA needs float16 or bfloat16, got {cfg.dtype}")
     version, cc = _cudnn_facts()
     if version < 90000:
-        return _no("cuDNN >= 9.0 is needed, found "
-                   + ("none" if version < 0 else _cudnn_version_str(version)))
+        return _no("cuDNN >= 9.0 is needed, the loaded one is "
+                   + ("unknown" if version < 0 else _cudnn_version_str(version)))
+    headers = cudnn_header_version()
+    if headers > 0 and version // 10000 != headers // 10000:
+        return _no(f"the loaded cuDNN {_cudnn_version_str(version)} is not of the major "
+                   f"version this module was built against ({_cudnn_version_str(headers)})")
     if cc < (8, 0):
         return _no(f"cuDNN SDPA needs compute capability >= 8.0 (Ampere), this GPU is "
                    f"{cc[0]}.{cc[1]}")
@@ -176,14 +190,14 @@ def _supports_cudnn(call: "_Call") -> Verdict:
         cfg.len_q, cfg.len_kv, p.window_left, p.window_right, p.bottom_right,
         cfg.has_q_lengths or cfg.has_kv_lengths))
     if aligned_br and version < 90600:
-        return _no("bottom-right aligned causal/window needs cuDNN >= 9.6, found "
+        return _no("bottom-right aligned causal/window needs cuDNN >= 9.6, the loaded one is "
                    + _cudnn_version_str(version))
     if p.window_left >= 0 and version < 91002:
         if p.window_right < 0 or cfg.mask_kind != MASK_NONE:
             return _no("a left window without a right bound, or with a mask, needs "
-                       "cuDNN >= 9.10.2, found " + _cudnn_version_str(version))
+                       "cuDNN >= 9.10.2, the loaded one is " + _cudnn_version_str(version))
     if cfg.has_sinks and version < 91300:
-        return _no("attention sinks need cuDNN >= 9.13, found " + _cudnn_version_str(version))
+        return _no("attention sinks need cuDNN >= 9.13, the loaded one is " + _cudnn_version_str(version))
     if cfg.has_sinks and cfg.batch > 1 and getattr(cfg, "sinks_batch", 1) > 1:
         return _no("cuDNN takes one sink logit per head; per-batch sinks [B, Hq] are "
                    "not supported")
@@ -197,7 +211,8 @@ def _supports_cudnn(call: "_Call") -> Verdict:
     what = "fused flash attention"
     if cfg.mask_kind == MASK_BOOL:
         what += " (the bool mask becomes an additive -inf bias)"
-    return _ok(f"cuDNN {_cudnn_version_str(version)} {what}")
+    return _ok(f"{what}, cuDNN {_cudnn_version_str(version)} loaded (built against "
+               f"{_cudnn_version_str(headers)})")
 
 
 def supports_cudnn(cfg: Config, direction: str, platform: str) -> Verdict:
@@ -326,7 +341,7 @@ def _supports_cuda(call: "_Call") -> Verdict:
     if (r := _platform_check("cuda", call.platform)) is not None:
         return r
     if not _ext.has_backend("cuda") or _native() is None:
-        return _no("our CUDA kernels are not built into this installation")
+        return _no(f"the CUDA backend (our kernels): {_backend_missing('cuda')}")
     kernel, why = call.cuda_kernel
     return (kernel is not None), why
 

@@ -87,13 +87,26 @@ def _real(optional, flags):
 
 def _fwd_abstract(q, k, v, *optional, **kw):
     flags, params = _split_kwargs(kw)
-    if params.seq_major:
-        b, lq, hq, _ = q.shape
-    else:
-        b, hq, lq, _ = q.shape
-    out = q.update(shape=q.shape[:3] + (v.shape[3],), dtype=q.dtype)
-    lse = q.update(shape=(b, hq, lq), dtype=np.dtype(np.float32))
+    # lse is [B, Hq, Lq] in both layouts
+    lse_axes = (0, 2, 1) if params.seq_major else (0, 1, 2)
+    out = _derived_aval(q, q.shape[:3] + (v.shape[3],), q.dtype, (0, 1, 2, None))
+    lse = _derived_aval(q, tuple(q.shape[a] for a in lse_axes), np.dtype(np.float32),
+                        lse_axes)
     return out, lse
+
+
+def _derived_aval(like, shape, dtype, axes):
+    """A result aval made from operand `like`: its varying manual axes kept (shard_map),
+    and under an explicit-sharding mesh its sharding on the axes the result takes from it
+    (`axes[i]`: the axis of `like` that result axis i is, None for a new one)."""
+    sharding = getattr(like, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return like.update(shape=shape, dtype=dtype)
+    spec = tuple(spec) + (None,) * (len(like.shape) - len(spec))
+    new_spec = jax.sharding.PartitionSpec(*(None if a is None else spec[a] for a in axes))
+    return like.update(shape=shape, dtype=dtype,
+                       sharding=jax.sharding.NamedSharding(sharding.mesh, new_spec))
 
 
 def _bwd_abstract(q, k, v, out, lse, dout, *optional, **kw):

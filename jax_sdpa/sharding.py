@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -44,6 +45,9 @@ try:  # private, but the only way to know what kind of program we are lowering
     from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 except ImportError:  # pragma: no cover - a future jax moved them: never partition
     ShardingContext = SPMDAxisContext = ()
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
 
 def register_primitives(*prims):
     """Make jit pass the device assignment when lowering programs that use `prims`
@@ -268,7 +272,12 @@ def lower_partitioned(ctx, prim, direction, args, kw):
         specs, results = _specs(layout, plan)
 
         def per_shard(*xs):
-            outs = tuple(prim.bind(*xs, **kw))
+            # Per-shard code is manual: bound with no mesh in context. Under jax.set_mesh
+            # with Explicit axes, jax 0.12 would annotate its ops with the outer mesh's
+            # shardings, left in the partitioned program as `Sharding` custom calls that
+            # no backend runs.
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                outs = tuple(prim.bind(*xs, **kw))
             if direction == "bwd" and plan.reduce_axes:
                 # several head shards use the same kv head: their dk/dv are partial sums
                 outs = (outs[0],) + tuple(lax.psum(o, plan.reduce_axes) for o in outs[1:])

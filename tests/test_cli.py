@@ -83,3 +83,95 @@ def test_demo_fast(capsys):
     import re
     deltas = [float(x) for x in re.findall(r"(\d\.\d\de[-+]\d\d)", out)]
     assert deltas and max(deltas) < 1e-3, out
+
+
+def test_check_unknown_implementation_lists_the_names(capsys):
+    assert cli.main(["check", "-i", "flash"]) == 2
+    err = capsys.readouterr().err
+    assert "'flash'" in err
+    for name in ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked"):
+        assert name in err
+    with pytest.raises(ValueError, match="unknown implementation 'flash'.*xla_chunked"):
+        cli.run_checks(["flash"])
+
+
+def test_check_of_an_implementation_that_cannot_run_here_fails(capsys):
+    # on a CPU machine cudnn (and cuda) can't run; on a GPU machine cpu and metal can't
+    platform = bench.default_platform()
+    here = bench.available_implementations(platform, include_emulator=True)
+    absent = [n for n in ("cudnn", "cuda", "metal", "cpu") if n not in here]
+    assert absent
+    for name in absent:
+        assert cli.main(["check", "--quick", "-i", name]) == 2
+        captured = capsys.readouterr()
+        assert "all passed" not in captured.out and "SKIP" not in captured.out
+        assert f"{name} can't run here: " in captured.err
+    if not _ext.has_backend("metal"):  # the build's own reason and fix
+        from jax_sdpa import build_info
+        cli.main(["check", "-i", "metal"])
+        assert build_info.backend("metal")["reason"] in capsys.readouterr().err
+
+
+def test_check_where_every_case_is_skipped_is_a_failure(monkeypatch, capsys):
+    from jax_sdpa import dispatch
+    real = dispatch.supports
+    monkeypatch.setattr(dispatch, "supports", lambda name, *a: (False, "refused for the test")
+                        if name == "xla_chunked" else real(name, *a))
+    assert cli.main(["check", "--quick", "-i", "xla_chunked"]) == 1
+    out = capsys.readouterr().out
+    assert "all passed" not in out and "no check ran" in out
+
+
+def test_bench_plot_needs_matplotlib_before_timing(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
+
+    def no_timing(*a, **k):
+        raise AssertionError("the suite ran before --plot's requirement was checked")
+
+    monkeypatch.setattr(bench, "run_suite", no_timing)
+    assert cli.main(["bench", "--suite", "tiny", "--plot", "x.png"]) == 2
+    assert "jax_sdpa[bench]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_demo_steps_must_be_positive(steps, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--steps", steps])
+    assert e.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_help_texts(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"default {bench.DEFAULT_SUITE}" in out
+    assert "which cases to time" in out and "forward + backward" in out
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    assert "seed of the random inputs" in " ".join(capsys.readouterr().out.split())
+
+
+def test_info_and_explain_say_what_the_marks_mean(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    legend = "(* what implementation=None runs, + can serve this call too, - can't)"
+    assert out.count(legend) == len(cli._sample_explains())
+    import jax
+    import jax_sdpa
+    s = jax.ShapeDtypeStruct((1, 2, 8, 16), "float32")
+    assert str(jax_sdpa.explain(s, s, s)).endswith(legend)
+
+
+def test_info_shows_why_a_backend_is_missing_and_the_fix(capsys):
+    from jax_sdpa import build_info
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for backend, module in build_info.MODULES.items():
+        record = build_info.backend(backend)
+        if module in _ext.status() and not _ext.status()[module].startswith("loaded"):
+            line = next(ln for ln in out.splitlines() if ln.strip().startswith(module))
+            if not record["built"]:
+                assert record["reason"] in line, line
+                if record.get("fix"):
+                    assert f"to build it: {record['fix']}" in line, line
