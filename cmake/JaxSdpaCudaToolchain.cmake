@@ -6,7 +6,8 @@
 #   1. CMAKE_CUDA_COMPILER or CUDACXX when given;
 #   2. with JAX_SDPA_CUDA_MAJOR=13 (what `-Cjax_sdpa.cuda=13` sets): PyPI's nvidia-cuda-nvcc
 #      (site-packages/nvidia/cu13/bin/nvcc, with nvidia-cuda-crt, -cccl, -runtime, nvidia-nvvm);
-#   3. nvcc on PATH, CUDA_PATH / CUDA_HOME, /usr/local/cuda;
+#   3. /usr/local/cuda-<JAX_SDPA_CUDA_MAJOR>.*, nvcc on PATH, CUDA_PATH / CUDA_HOME,
+#      /usr/local/cuda;
 #   4. PyPI's nvidia-cuda-nvcc when no toolkit was found.
 # PyPI has no CUDA 12 compiler (nvidia-cuda-nvcc-cu12 holds ptxas and libnvvm only), so a
 # CUDA 12 build takes a CUDA 12 toolkit's nvcc (3., or CUDACXX) and the rest from wheels.
@@ -81,8 +82,14 @@ set(_nvcc_source "")
 if(DEFINED CMAKE_CUDA_COMPILER OR DEFINED ENV{CUDACXX})
   set(_nvcc_source "given (CMAKE_CUDA_COMPILER / CUDACXX)")
 else()
+  # a toolkit of the requested major version first (/usr/local/cuda-12.9 before a PATH nvcc 13)
+  set(_versioned_toolkits "")
+  if(JAX_SDPA_CUDA_MAJOR)
+    file(GLOB _versioned_toolkits "/usr/local/cuda-${JAX_SDPA_CUDA_MAJOR}.*")
+    list(SORT _versioned_toolkits COMPARE NATURAL ORDER DESCENDING)
+  endif()
   find_program(JAX_SDPA_TOOLKIT_NVCC nvcc
-               HINTS ENV CUDA_PATH ENV CUDA_HOME /usr/local/cuda
+               HINTS ${_versioned_toolkits} ENV CUDA_PATH ENV CUDA_HOME PATHS /usr/local/cuda
                PATH_SUFFIXES bin DOC "a CUDA toolkit's nvcc")
   set(_use_pip OFF)
   if(_pip_nvcc AND (JAX_SDPA_CUDA_MAJOR STREQUAL "13" OR NOT JAX_SDPA_TOOLKIT_NVCC))

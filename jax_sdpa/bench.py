@@ -393,6 +393,12 @@ def write_json(report: dict, path: str):
         json.dump(report, f, indent=1)
 
 
+def _shape_label(r: dict) -> str:
+    """"B1 H8 D64 float32" (with /KVn for GQA, "causal") of one result row."""
+    heads = f"H{r['hq']}" + (f"/KV{r['hk']}" if r["hk"] != r["hq"] else "")
+    return f"B{r['b']} {heads} D{r['d']} {r['dtype']}" + (" causal" if r["causal"] else "")
+
+
 def plot(report: dict, path: str, metric: str = "time"):
     """PNG: time (or TFLOP/s) per case, one line per implementation, a panel per
     direction. Sequence length on the x axis when the suite sweeps it."""
@@ -426,16 +432,20 @@ def plot(report: dict, path: str, metric: str = "time"):
                 ax.plot(xs, ys, style, marker="o", label=impl)
         if sweep:
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length")
+            ax.set_xlabel("sequence length (Lq = Lk)" if by_case[cases[0]]["lq"] > 1
+                          else "kv length (Lq = 1)")
+            shape = _shape_label(by_case[cases[0]])
         else:
             ax.set_xticks(range(len(cases)))
-            ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
+            ax.set_xticklabels([f"{c} {by_case[c]['dtype']}" for c in cases], rotation=30,
+                               ha="right", fontsize=7)
+            shape = "shapes on the x axis"
         if metric == "time":
             ax.set_yscale("log")
             ax.set_ylabel("median time (ms)")
         else:
             ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{report['suite']} {direction}")
+        ax.set_title(f"{report['suite']} {direction}: {shape}", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"jax_sdpa {report['versions']['jax_sdpa']} on {report['device']}, "

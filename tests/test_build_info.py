@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_record_covers_every_backend():
     info = build_info.read()
-    assert info, "the installed jax_sdpa has no _build_info.json"
+    assert info, (f"{build_info._FILE} is missing: is {jax_sdpa.__file__} a source checkout "
+                  f"on sys.path (`python -m pytest` from it) rather than the installed package?")
     assert set(info["backends"]) == set(build_info.MODULES)
     for name, record in info["backends"].items():
         assert isinstance(record["built"], bool), (name, record)
@@ -132,3 +133,30 @@ def test_the_wheel_probe_finds_pips_cuda_packages(tmp_path):
     assert found["nvrtc13"]["path"] == str(site / "nvidia/cu13/include/nvrtc.h")
     assert found["nvcc12"] is None and found["nvrtc12"] is None
     assert found["cudnn"]["in_target_env"] is False  # on sys.path only, as in a build env
+
+
+def test_cudnn_verdicts_check_the_loaded_version(monkeypatch):
+    """Each cuDNN feature against the loaded libcudnn (facts faked: no GPU in CI)."""
+    from jax_sdpa import dispatch
+    monkeypatch.setattr(_ext, "has_backend", lambda name: True)
+    monkeypatch.setattr(dispatch, "cudnn_header_version", lambda: 92801)
+    s = jax.ShapeDtypeStruct
+    q, kv = s((2, 8, 64, 64), jnp.bfloat16), s((2, 2, 64, 64), jnp.bfloat16)
+
+    def verdict(version, **kw):
+        monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (version, (9, 0)))
+        return jax_sdpa.explain(q, kv, kv, platform="cuda", **kw).verdicts["cudnn"]
+
+    ok, why = verdict(91900)
+    assert ok and "cuDNN 9.19.0 loaded (built against 9.28.1)" in why
+    ok, why = verdict(91200, sinks=s((8,), jnp.float32))
+    assert not ok and "sinks need cuDNN >= 9.13, the loaded one is 9.12.0" in why
+    ok, why = verdict(91900, sinks=s((8,), jnp.float32))
+    assert ok
+    ok, why = verdict(90500, mask="causal", key_value_seq_lengths=s((2,), jnp.int32))
+    assert not ok and "needs cuDNN >= 9.6, the loaded one is 9.5.0" in why
+    ok, why = verdict(81000)
+    assert not ok and "the loaded one is 8.10.0" in why
+    monkeypatch.setattr(dispatch, "cudnn_header_version", lambda: 100100)
+    ok, why = verdict(91900)
+    assert not ok and "not of the major version this module was built against (10.1.0)" in why

@@ -15,6 +15,7 @@ major=${1:?usage: tools/build_wheel.sh 13|12 [python]}
 python=${2:-python3}
 cd "$(dirname "$0")/.."
 out="dist/cuda$major"
+rm -rf "$out"
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
 

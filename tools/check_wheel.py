@@ -1,11 +1,14 @@
 """Checks a jax_sdpa wheel built by tools/build_wheel.sh; prints what it holds.
 
     python tools/check_wheel.py dist/cuda13/jax_sdpa-*.whl --cuda 13 [--pip-nvcc]
+        [--load-with SITE_PACKAGES]
 
 Fails (exit 1) unless: the platform tag is manylinux; the CPU and CUDA modules are in it and
 its build record says the CUDA backend was built for that CUDA major (with --pip-nvcc: by
 pip's nvcc); no libcudnn is bundled; the CUDA module needs libcudnn.so.9, finds it through
-$ORIGIN/../nvidia/cudnn/lib, links cudart statically and names no build-time folder.
+$ORIGIN/../nvidia/cudnn/lib, links cudart statically and names no build-time folder. With
+--load-with (a site-packages holding an nvidia-cudnn wheel), the CUDA module is also loaded, as
+installed beside that libcudnn, by this Python (the wheel's): every symbol must resolve.
 """
 
 from __future__ import annotations
@@ -28,7 +31,21 @@ def _dynamic_section(path):
     return needed, (rpath[0].split(":") if rpath else [])
 
 
-def check(wheel: str, cuda: str, pip_nvcc: bool) -> list:
+def _load(wheel: str, module: str, site_packages: str):
+    """Loads `module` from the wheel unpacked into a site-packages whose nvidia/cudnn is the
+    one in `site_packages`; returns an error message or None."""
+    with tempfile.TemporaryDirectory() as site:
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(module, site)
+        os.makedirs(os.path.join(site, "nvidia"))
+        os.symlink(os.path.join(site_packages, "nvidia", "cudnn"),
+                   os.path.join(site, "nvidia", "cudnn"))
+        code = f"import ctypes; ctypes.CDLL({os.path.join(site, module)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        return proc.stderr.strip().splitlines()[-1] if proc.returncode else None
+
+
+def check(wheel: str, cuda: str, pip_nvcc: bool, load_with=None) -> list:
     problems = []
     name = os.path.basename(wheel)
     if not re.search(r"-manylinux_\d+_\d+_x86_64\.whl$", name):
@@ -73,6 +90,13 @@ def check(wheel: str, cuda: str, pip_nvcc: bool) -> list:
     if foreign:
         problems.append(f"RPATH names build-time folders: {foreign}")
 
+    if load_with and cuda_modules:
+        error = _load(wheel, cuda_modules[0], load_with)
+        if error:
+            problems.append(f"the CUDA module does not load: {error}")
+        else:
+            print(f"  the CUDA module loads beside {load_with}/nvidia/cudnn")
+
     size = os.path.getsize(wheel)
     print(f"{name}: {size / 2**20:.1f} MiB, {len(names)} files")
     print(f"  modules: {', '.join(os.path.basename(m) for m in cpu_modules + cuda_modules)}")
@@ -90,8 +114,10 @@ def main(argv=None) -> int:
     p.add_argument("--cuda", required=True, choices=["12", "13"])
     p.add_argument("--pip-nvcc", action="store_true",
                    help="require that pip's nvcc (nvidia-cuda-nvcc) built it")
+    p.add_argument("--load-with", metavar="SITE_PACKAGES",
+                   help="also load the CUDA module beside this site-packages' nvidia/cudnn")
     args = p.parse_args(argv)
-    problems = check(args.wheel, args.cuda, args.pip_nvcc)
+    problems = check(args.wheel, args.cuda, args.pip_nvcc, args.load_with)
     for problem in problems:
         print(f"FAIL {problem}")
     print("wheel ok" if not problems else f"{len(problems)} problems")
