@@ -91,8 +91,23 @@ else()
   find_program(JAX_SDPA_TOOLKIT_NVCC nvcc
                HINTS ${_versioned_toolkits} ENV CUDA_PATH ENV CUDA_HOME PATHS /usr/local/cuda
                PATH_SUFFIXES bin DOC "a CUDA toolkit's nvcc")
+  # a toolkit nvcc that runs, of the requested major version
+  set(_toolkit_nvcc "")
+  set(_toolkit_other "")
+  if(JAX_SDPA_TOOLKIT_NVCC)
+    execute_process(COMMAND "${JAX_SDPA_TOOLKIT_NVCC}" --version OUTPUT_VARIABLE _out
+                    RESULT_VARIABLE _rc ERROR_QUIET)
+    if(_rc EQUAL 0 AND _out MATCHES "release ([0-9]+)\\.([0-9]+)")
+      if(NOT JAX_SDPA_CUDA_MAJOR OR CMAKE_MATCH_1 STREQUAL JAX_SDPA_CUDA_MAJOR)
+        set(_toolkit_nvcc "${JAX_SDPA_TOOLKIT_NVCC}")
+      else()
+        set(_toolkit_other
+            " (${JAX_SDPA_TOOLKIT_NVCC} is CUDA ${CMAKE_MATCH_1}.${CMAKE_MATCH_2})")
+      endif()
+    endif()
+  endif()
   set(_use_pip OFF)
-  if(_pip_nvcc AND (JAX_SDPA_CUDA_MAJOR STREQUAL "13" OR NOT JAX_SDPA_TOOLKIT_NVCC))
+  if(_pip_nvcc AND (JAX_SDPA_CUDA_MAJOR STREQUAL "13" OR NOT _toolkit_nvcc))
     set(_use_pip ON)
   endif()
   if(_use_pip)
@@ -128,16 +143,16 @@ else()
       set(CUDA_CUDART "${_pip_cudart}" CACHE FILEPATH "libcudart (pip wheel)" FORCE)
     endif()
     set(_nvcc_source "pip wheel ${_pip_nvcc_wheel}")
-  elseif(JAX_SDPA_TOOLKIT_NVCC)
-    set(CMAKE_CUDA_COMPILER "${JAX_SDPA_TOOLKIT_NVCC}" CACHE FILEPATH "CUDA compiler")
+  elseif(_toolkit_nvcc)
+    set(CMAKE_CUDA_COMPILER "${_toolkit_nvcc}" CACHE FILEPATH "CUDA compiler")
     set(_nvcc_source "CUDA toolkit")
   elseif(JAX_SDPA_CUDA_MAJOR STREQUAL "12")
     _jax_sdpa_cuda_missing(
-      "no CUDA 12 nvcc: PyPI has none (nvidia-cuda-nvcc-cu12 holds only ptxas), and no CUDA 12 toolkit was found"
+      "no CUDA 12 nvcc: PyPI has none (nvidia-cuda-nvcc-cu12 holds only ptxas), and no CUDA 12 toolkit was found${_toolkit_other}"
       "${_jax_sdpa_cuda_fix}")
   else()
     _jax_sdpa_cuda_missing(
-      "no CUDA compiler: no nvcc on PATH and no nvidia-cuda-nvcc wheel in the Python environment"
+      "no CUDA compiler: no working nvcc on PATH and no nvidia-cuda-nvcc wheel in the Python environment${_toolkit_other}"
       "${_jax_sdpa_cuda_fix}")
   endif()
 endif()
