@@ -38,7 +38,7 @@ def _load(wheel: str, module: str, site_packages: str):
         with zipfile.ZipFile(wheel) as z:
             z.extract(module, site)
         os.makedirs(os.path.join(site, "nvidia"))
-        os.symlink(os.path.join(site_packages, "nvidia", "cudnn"),
+        os.symlink(os.path.abspath(os.path.join(site_packages, "nvidia", "cudnn")),
                    os.path.join(site, "nvidia", "cudnn"))
         code = f"import ctypes; ctypes.CDLL({os.path.join(site, module)!r})"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
