@@ -69,7 +69,10 @@ def unavailable_reason(backend: str) -> Optional[str]:
         return "not built: " + build_info.not_built_reason(backend)
     error = _load_errors.get(name, "?")
     fix = ""
-    if backend == "cuda" and "libcudnn" in error:
+    if backend == "cuda" and "undefined symbol" in error and "libcudnn" in error:
+        # built against newer cuDNN headers than the libcudnn found
+        fix = f"; to fix: {build_info.cudnn_upgrade_fix()}"
+    elif backend == "cuda" and "libcudnn" in error:
         fix = f"; to fix: {build_info.cuda_runtime_fix()}"
     return f"built, but failed to load ({error}){fix}"
 

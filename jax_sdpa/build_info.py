@@ -55,6 +55,14 @@ def cuda_runtime_fix() -> str:
     return f"pip install 'jax_sdpa[cuda{cuda_major() or '13'}]'"
 
 
+def cudnn_upgrade_fix() -> str:
+    """The command that brings a libcudnn at least as new as the headers the module was
+    built against (an older one lacks symbols it links)."""
+    headers = read().get("cuda", {}).get("cudnn_headers", "")
+    floor = f">={headers}" if headers else ""
+    return f"pip install -U 'nvidia-cudnn-cu{cuda_major() or '13'}{floor}'"
+
+
 def lines() -> list:
     """Human-readable lines for `jax-sdpa info`."""
     info = read()
