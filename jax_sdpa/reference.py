@@ -12,6 +12,13 @@ likewise with Hk heads; mask None or rank 4 [mB, mH, mLq, mLk] (each 1 or full,
 head-major), bool = keep or additive; sinks None or float [1 or B, Hq]; lengths
 None or int32 [B]. Returns (out, lse) with lse float32 [B, Hq, Lq] (natural log,
 -inf for rows with nothing to attend, whose output is 0).
+
+Numerics (docs/ffi_contract.md): a row whose visible scores include a NaN gets NaN (out and
+lse), and so do its gradients; masked scores are replaced, never added to, so a NaN key a
+mask hides stays hidden; keys, values and queries outside the valid lengths are zeroed
+before any product, so whatever they hold never reaches outputs or gradients. Exponents
+are clamped at 0: s - max can come out slightly positive when XLA contracts the scaling
+into an FMA, which overflows exp() for logits near 1e30.
 """
 
 from __future__ import annotations
@@ -49,12 +56,13 @@ def _valid_lengths(lengths, full):
 def visibility(params: StaticParams, batch, len_q, len_kv, key_index, q_lengths, kv_lengths,
                bool_mask=None):
     """Bool [B or 1, 1, Lq, len(key_index)]: may query i see key j (before additive masks)."""
-    i = jnp.arange(len_q, dtype=jnp.int32)[:, None]
-    j = key_index.astype(jnp.int32)[None, :]
+    i = jnp.arange(len_q, dtype=jnp.int32).reshape(1, 1, len_q, 1)
+    j = key_index.astype(jnp.int32).reshape(1, 1, 1, -1)
     qlen = _valid_lengths(q_lengths, len_q)
     kvlen = _valid_lengths(kv_lengths, len_kv)
-    qlen_b = (jnp.full((batch,), len_q, jnp.int32) if qlen is None else qlen)[:, None, None, None]
-    kvlen_b = (jnp.full((batch,), len_kv, jnp.int32) if kvlen is None else kvlen)[:, None, None, None]
+    qlen_b = (jnp.full((batch,), len_q, jnp.int32) if qlen is None else qlen).reshape(-1, 1, 1, 1)
+    kvlen_b = (jnp.full((batch,), len_kv, jnp.int32) if kvlen is None else kvlen).reshape(
+        -1, 1, 1, 1)
     visible = (i < qlen_b) & (j < kvlen_b)
     offset = (kvlen_b - qlen_b) if params.bottom_right else 0
     d = j - (i + offset)
@@ -80,15 +88,24 @@ def _mask_grouped(mask, heads_q, heads_kv):
     return _grouped(mask, heads_kv)
 
 
+def _scaled_dots(qg, k, params, precision, acc):
+    """scale * q.k [B, Hk, G, Lq, Lk] in acc. Float32 (and wider) queries are scaled before
+    the product, so the scores leave the matmul rounded once and every later use (the max,
+    the exponent, the backward's recomputation) sees the same values; a separate multiply
+    could be contracted into an FMA in one of them only."""
+    scale = jnp.asarray(params.scale, acc)
+    if qg.dtype == acc:
+        return jnp.einsum("bkgid,bkjd->bkgij", qg * scale, k, precision=precision,
+                          preferred_element_type=acc)
+    return jnp.einsum("bkgid,bkjd->bkgij", qg, k, precision=precision,
+                      preferred_element_type=acc) * scale
+
+
 def _scores(q, k, mask, params, precision, acc):
     """Scaled scores [B, Hk, G, Lq, Lk] (+ additive mask), float32 or wider."""
-    hk = k.shape[1]
-    qg = _grouped(q, hk)
-    s = jnp.einsum("bkgid,bkjd->bkgij", qg, k, precision=precision,
-                   preferred_element_type=acc)
-    s = s * jnp.asarray(params.scale, acc)
+    s = _scaled_dots(_grouped(q, k.shape[1]), k, params, precision, acc)
     if mask is not None and mask.dtype != jnp.bool_:
-        s = s + _mask_grouped(mask, q.shape[1], hk).astype(acc)
+        s = s + _mask_grouped(mask, q.shape[1], k.shape[1]).astype(acc)
     return s
 
 
@@ -118,6 +135,40 @@ def _padded_rows(q_lengths, batch, len_q):
     return (jnp.arange(len_q)[None, :] >= qlen[:, None])[:, None, None, :]
 
 
+def _zero_past(x, lengths):
+    """x [B, H, L, ...] with the positions at or past lengths[b] set to 0 (lengths None: x)."""
+    if lengths is None:
+        return x
+    length = x.shape[2]
+    valid = jnp.arange(length, dtype=jnp.int32).reshape(1, 1, length, 1) < \
+        _valid_lengths(lengths, length).reshape(-1, 1, 1, 1)
+    return jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
+def _shift(m):
+    """The softmax shift of a row maximum m: 0 for rows with nothing visible (m = -inf);
+    NaN and +inf are kept so that they reach the row."""
+    return jnp.where(m == NEG_INF, jnp.zeros((), m.dtype), m)
+
+
+def _exp_below(x):
+    """exp(min(x, 0)): for x = s - (a maximum of s) computed with rounding (see module doc)."""
+    return jnp.exp(jnp.minimum(x, jnp.zeros((), x.dtype)))
+
+
+def _lse_from(shift, total):
+    """log-sum-exp from the shift and the (shifted) sum: -inf for an empty row (sum 0),
+    NaN for a NaN sum."""
+    empty = total == 0
+    return jnp.where(empty, NEG_INF, shift + jnp.log(jnp.where(empty, jnp.ones((), total.dtype),
+                                                                  total)))
+
+
+def _live(lse):
+    """Rows that attend to something: lse != -inf (a NaN row is live, so it stays NaN)."""
+    return lse != NEG_INF
+
+
 def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
             precision=None):
     """Exact attention. Returns (out, lse)."""
@@ -125,24 +176,25 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
     b, hq, lq, _ = q.shape
     hk = k.shape[1]
     acc = _acc_dtype(q.dtype)
+    v = _zero_past(v, kv_lengths)
     s = _scores(q, k, mask, params, precision, acc)
     vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
     s = jnp.where(vis, s, NEG_INF)
     m = jnp.max(s, axis=-1)
     if sinks is not None:
         m = jnp.maximum(m, _sink_logits(sinks, hk, acc))
-    m_safe = jnp.where(jnp.isfinite(m), m, 0)
-    p = jnp.exp(s - m_safe[..., None])
+    m_safe = _shift(m)
+    p = _exp_below(s - m_safe[..., None])
     total = jnp.sum(p, axis=-1)
     if sinks is not None:
-        total = total + jnp.exp(_sink_logits(sinks, hk, acc) - m_safe)
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1)), NEG_INF)
+        total = total + _exp_below(_sink_logits(sinks, hk, acc) - m_safe)
+    lse = _lse_from(m_safe, total)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
         lse = jnp.where(pad, NEG_INF, lse)
-    finite = jnp.isfinite(lse)
-    p = jnp.where(finite[..., None],
-                  p / jnp.where(finite, total, 1)[..., None], 0)
+    live = _live(lse)
+    p = jnp.where(live[..., None],
+                  p / jnp.where(live, total, jnp.ones((), acc))[..., None], jnp.zeros((), acc))
     out = jnp.einsum("bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), v,
                      precision=precision, preferred_element_type=acc)
     out = out.reshape(b, hq, lq, v.shape[-1]).astype(q.dtype)
@@ -160,7 +212,7 @@ def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
              params: StaticParams, precision=None):
     """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward)."""
     del sinks  # enters only through lse
-    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     hk = k.shape[1]
     acc = _acc_dtype(q.dtype)
     p, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
@@ -169,25 +221,38 @@ def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
     return tuple(_from_bhld(x, params.seq_major) for x in (dq, dk, dv))
 
 
+def _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params):
+    """BHLD operands of a backward, zeroed outside the valid lengths."""
+    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    q, dout = _zero_past(q, q_lengths), _zero_past(dout, q_lengths)
+    k, v = _zero_past(k, kv_lengths), _zero_past(v, kv_lengths)
+    return q, k, v, out, dout
+
+
+def _probs_dscores_block(s, vis, lse_g, dp, delta, acc):
+    """P = exp(s - lse) and dS = P * (dP - delta) where visible and the row is live, else 0
+    (selected, so that a NaN dP of a hidden key does not turn 0 into NaN)."""
+    live = vis & _live(lse_g)
+    lse_safe = jnp.where(_live(lse_g), lse_g, jnp.zeros((), acc))
+    zero = jnp.zeros((), acc)
+    p = jnp.where(live, _exp_below(s - lse_safe), zero)
+    ds = jnp.where(live, p * (dp - delta), zero)
+    return p, ds
+
+
 def _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params,
-                       precision, acc, key_index=None):
-    """P and dS = P * (dP - delta), both [B, Hk, G, Lq, Lk_block], inputs in BHLD."""
+                       precision, acc):
+    """P and dS = P * (dP - delta), both [B, Hk, G, Lq, Lk], inputs in BHLD."""
     hk = k.shape[1]
     s = _scores(q, k, mask, params, precision, acc)
     lse_g = _grouped(lse.astype(acc), hk)[..., None]
-    finite = jnp.isfinite(lse_g)
-    if key_index is None:
-        vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
-    else:
-        vis = key_index  # precomputed visibility for a block
-    p = jnp.where(vis & finite, jnp.exp(s - jnp.where(finite, lse_g, 0)), 0)
+    vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
     dout_g = _grouped(dout, hk)
     delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
                     keepdims=True)
     dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, v, precision=precision,
                     preferred_element_type=acc)
-    ds = p * (dp - delta)
-    return p, ds
+    return _probs_dscores_block(s, vis, lse_g, dp, delta, acc)
 
 
 def _grads_from_dscores(q, k, dout, p, ds, params, precision, acc):
@@ -209,7 +274,7 @@ def dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params: Static
             precision=None):
     """dL/d(score) [B, Hq, Lq, Lk] in float32: the gradient of an additive mask/bias
     before it is summed over the mask's broadcast dimensions."""
-    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     acc = _acc_dtype(q.dtype)
     _, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
                                params, precision, acc)
@@ -266,10 +331,9 @@ def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, shape, 
     shape = (B, Hq, Hk, Lq, Lk)."""
     b, hq, hk, lq, lk = shape
     key_index = idx * block + jnp.arange(block)
-    s = jnp.einsum("bkgid,bkjd->bkgij", qg, kb, precision=precision,
-                   preferred_element_type=acc) * jnp.asarray(params.scale, acc)
+    s = _scaled_dots(qg, kb, params, precision, acc)
     vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
-    vis = vis & (key_index < lk)
+    vis = vis & (key_index < lk).reshape(1, 1, 1, 1, block)
     if mb is not None:
         mg = _mask_grouped(mb, hq, hk)
         if mb.dtype == jnp.bool_:
@@ -279,6 +343,17 @@ def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, shape, 
     return s, vis
 
 
+def _carry_zero(acc, *operands):
+    """A scalar 0 of dtype acc that varies over the manual mesh axes of every operand (inside
+    shard_map a scan's initial carry must have the varying axes of what the body returns).
+    full_like reads no values, so NaN operands stay out of it."""
+    zero = jnp.zeros((), acc)
+    for x in operands:
+        if x is not None:
+            zero = zero + jnp.full_like(x, 0, dtype=acc, shape=())
+    return zero
+
+
 def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
                     precision=None, block: Optional[int] = None):
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
@@ -286,6 +361,7 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
     hk, lk = k.shape[1], k.shape[2]
     dv_ = v.shape[-1]
     acc = _acc_dtype(q.dtype)
+    v = _zero_past(v, kv_lengths)
     block, _, xs, mask_per_block = _key_blocks(k, v, mask, b, hq, lq, lk, block)
     qg = _grouped(q, hk)
 
@@ -297,9 +373,9 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
                                (b, hq, hk, lq, lk), precision, acc)
         s = jnp.where(vis, s, NEG_INF)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
-        alpha = jnp.exp(m_run - m_safe)
-        p = jnp.exp(s - m_safe[..., None])
+        m_safe = _shift(m_new)
+        alpha = _exp_below(m_run - m_safe)
+        p = _exp_below(s - m_safe[..., None])
         l_new = l_run * alpha + jnp.sum(p, axis=-1)
         o_new = o_run * alpha[..., None] + jnp.einsum(
             "bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), vb,
@@ -307,22 +383,23 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
         return (m_new, l_new, o_new), None
 
     g = hq // hk
-    m0 = jnp.full((b, hk, g, lq), NEG_INF, acc)
+    zero = _carry_zero(acc, q, k, v, mask, sinks, q_lengths, kv_lengths)
+    m0 = jnp.full((b, hk, g, lq), NEG_INF, acc) + zero
     if sinks is not None:
-        m0 = jnp.broadcast_to(_sink_logits(sinks, hk, acc), m0.shape)
-        l0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0).astype(acc)
+        m0 = _sink_logits(sinks, hk, acc) + jnp.zeros((b, hk, g, lq), acc) + zero
+        l0 = jnp.where(m0 == NEG_INF, jnp.zeros((), acc), jnp.ones((), acc))
     else:
-        l0 = jnp.zeros((b, hk, g, lq), acc)
-    o0 = jnp.zeros((b, hk, g, lq, dv_), acc)
+        l0 = jnp.zeros((b, hk, g, lq), acc) + zero
+    o0 = jnp.zeros((b, hk, g, lq, dv_), acc) + zero
     (m_run, l_run, o_run), _ = lax.scan(step, (m0, l0, o0), xs)
-    ok = l_run > 0
-    lse = jnp.where(ok, jnp.where(jnp.isfinite(m_run), m_run, 0)
-                    + jnp.log(jnp.where(ok, l_run, 1)), NEG_INF)
+    lse = _lse_from(_shift(m_run), l_run)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
         lse = jnp.where(pad, NEG_INF, lse)
-    out = jnp.where(jnp.isfinite(lse)[..., None],
-                    o_run / jnp.where(ok, l_run, 1)[..., None], 0)
+    live = _live(lse)
+    out = jnp.where(live[..., None],
+                    o_run / jnp.where(live, l_run, jnp.ones((), acc))[..., None],
+                    jnp.zeros((), acc))
     out = out.reshape(b, hq, lq, dv_).astype(q.dtype)
     return _from_bhld(out, params.seq_major), lse.reshape(b, hq, lq).astype(jnp.float32)
 
@@ -330,15 +407,13 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
 def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
                      params: StaticParams, precision=None, block: Optional[int] = None):
     del sinks
-    q, k, v, out, dout = (_to_bhld(x, params.seq_major) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
     block, nblocks, xs, mask_per_block = _key_blocks(k, v, mask, b, hq, lq, lk, block)
     qg, dout_g = _grouped(q, hk), _grouped(dout, hk)
     lse_g = _grouped(lse.astype(acc), hk)[..., None]
-    finite = jnp.isfinite(lse_g)
-    lse_safe = jnp.where(finite, lse_g, 0)
     delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
                     keepdims=True)
     scale = jnp.asarray(params.scale, acc)
@@ -348,10 +423,9 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
         mb = xs[3] if mask_per_block else mask
         s, vis = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
                                (b, hq, hk, lq, lk), precision, acc)
-        p = jnp.where(vis & finite, jnp.exp(s - lse_safe), 0)
         dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, vb, precision=precision,
                         preferred_element_type=acc)
-        ds = p * (dp - delta)
+        p, ds = _probs_dscores_block(s, vis, lse_g, dp, delta, acc)
         dq = dq + jnp.einsum("bkgij,bkjd->bkgid", ds, kb, precision=precision,
                              preferred_element_type=acc) * scale
         dkb = jnp.einsum("bkgij,bkgid->bkjd", ds, qg, precision=precision,
@@ -360,7 +434,8 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
                          preferred_element_type=acc)
         return dq, (dkb.astype(k.dtype), dvb.astype(v.dtype))
 
-    dq0 = jnp.zeros(qg.shape, acc)
+    dq0 = jnp.zeros(qg.shape, acc) + _carry_zero(acc, q, k, v, out, lse, dout, mask,
+                                                 q_lengths, kv_lengths)
     dq, (dk_blocks, dv_blocks) = lax.scan(step, dq0, xs)
 
     def unblock(x, last):
