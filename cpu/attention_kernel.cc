@@ -58,6 +58,8 @@ inline vf loadv(const float* p) {
 inline void storev(float* p, vf v) { memcpy(p, &v, sizeof v); }
 inline vf select(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 inline vf vmax(vf a, vf b) { return select(a > b, a, b); }
+// min(x, 0) that keeps NaN (x > 0 is false for NaN).
+inline vf clamp_nonpositive(vf x) { return select(x > splat(0.0f), splat(0.0f), x); }
 
 // exp on [-87, 88] (Cody-Waite reduction + degree-6 polynomial, ~1 ulp);
 // below -87 (including -inf) it returns exactly 0: masked scores vanish.
@@ -158,6 +160,7 @@ void store_row(void* dst, DType t, int64_t idx, const float* src, float mul, int
   }
 }
 void store_zeros(void* dst, DType t, int64_t idx, int64_t n) {
+  if (n <= 0) return;  // an empty buffer may have no address
   size_t es = t == DType::kF32 ? 4 : 2;
   memset(static_cast<char*>(dst) + idx * es, 0, n * es);
 }
@@ -432,17 +435,21 @@ void fwd_task(void* vctx, int64_t task, int participant) {
       gemm(Dv, np, jn, vp, 1, vks, St, np, Ot, np, true);  // O^T += V^T · P^T
     }
   }
-  // Finalize: out = O / l, lse = m + log l; nothing visible -> 0 and -inf.
+  // Finalize: out = O / l, lse = m + log l; nothing visible (l == 0) -> 0 and -inf. A NaN
+  // score made l NaN: the row is NaN (l > 0 would call it empty).
   for (int64_t c = 0; c < t.n; ++c) {
     const int64_t i = t.col_i[c], h = t.col_h[c];
     const int64_t oidx = t.b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
     float* lse = buf.lse + (t.b * p.heads_q + h) * p.len_q + i;
-    if (i < t.qlen && l[c] > 0.0f && t.KL > t.KF) {
-      *lse = m[c] + logf(l[c]);
+    const bool live = i < t.qlen && l[c] != 0.0f;
+    *lse = live ? m[c] + logf(l[c]) : -INFINITY;
+    if (live && t.KL > t.KF) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = Ot[d * np + c];
       store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+    } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
+      store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
     } else {
-      *lse = (i < t.qlen && l[c] > 0.0f) ? m[c] + logf(l[c]) : -INFINITY;  // sink only
       store_zeros(buf.out, p.dtype, oidx, Dv);
     }
   }
@@ -523,7 +530,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       if (c >= t.n) continue;
       const int64_t i = t.col_i[c], h = t.col_h[c];
       float lv = buf.lse[(b * p.heads_q + h) * p.len_q + i];
-      if (lv > -INFINITY) lse_use[c] = lv;
+      if (lv != -INFINITY) lse_use[c] = lv;  // NaN included: the row's gradients are NaN
       const int64_t oidx = b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
       load_row(buf.out, p.dtype, oidx, Dv, tmp);
       float s = 0.0f;
@@ -539,9 +546,12 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
       for (int64_t j = 0; j < jn; ++j)
         for (int64_t c0 = 0; c0 < np; c0 += W) {
-          vf pr = vexp(loadv(St + j * np + c0) - loadv(lse_use + c0));
+          // P <= 1: the recomputed score can round above the forward's max near 1e30.
+          vf pr = vexp(clamp_nonpositive(loadv(St + j * np + c0) - loadv(lse_use + c0)));
           storev(St + j * np + c0, pr);
-          storev(dPt + j * np + c0, pr * (loadv(dPt + j * np + c0) - loadv(delta + c0)));
+          // dS selected where P = 0: a hidden key's dP may be NaN, and 0 * NaN is NaN.
+          vf ds = pr * (loadv(dPt + j * np + c0) - loadv(delta + c0));
+          storev(dPt + j * np + c0, select(pr == splat(0.0f), splat(0.0f), ds));
         }
       // dV += P^T · dO, dK += dS^T · Q, dQ += dS · K (scale applied at the end)
       gemm(jn, Dvp, np, St, np, 1, dOr, Dvp, dVc + (j0 - k0) * Dvp, Dvp, true);
@@ -601,7 +611,13 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
 }
 
 const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool& pool) {
-  if (p.batch == 0 || p.heads_q == 0) return nullptr;
+  if (p.batch == 0) return nullptr;
+  if (p.heads_q == 0) {  // no query rows: dq is empty, dk and dv are 0
+    const int64_t kv_rows = p.batch * p.heads_kv * p.len_kv;
+    store_zeros(buf.dk, p.dtype, 0, kv_rows * p.head_dim);
+    store_zeros(buf.dv, p.dtype, 0, kv_rows * p.head_dim_v);
+    return nullptr;
+  }
   const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group();
   BwdCtx ctx;
   ctx.p = &p;

@@ -4,8 +4,10 @@
 // operands and attributes in the same order (docs/ffi_contract.md).
 #pragma once
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -208,7 +210,7 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   detail::set_strides(vs, a.seq_major, p->v_stride);
   detail::set_strides({qs.b, qs.h, qs.l, vs.d}, a.seq_major, p->o_stride);
 
-  if (!(a.scale == a.scale)) return invalid("scale is NaN");
+  if (!std::isfinite(a.scale)) return invalid("scale must be finite, got " + std::to_string(a.scale));
   p->scale = a.scale;
   if (a.window_left < -1 || a.window_right < -1)
     return invalid("window sizes must be >= 0 or -1 (unbounded)");
@@ -372,6 +374,14 @@ inline bool poison_outputs_requested() {
     return v != nullptr && std::strcmp(v, "0") != 0 && v[0] != '\0';
   }();
   return requested;
+}
+
+// Host-memory handlers (CPU, Metal): the poisoning itself. Empty buffers are skipped (they
+// may have no address).
+inline void poison_host_outputs(std::initializer_list<ffi::AnyBuffer*> results) {
+  if (!poison_outputs_requested()) return;
+  for (ffi::AnyBuffer* r : results)
+    if (r->size_bytes() > 0) std::memset(r->untyped_data(), 0xff, r->size_bytes());
 }
 
 }  // namespace jax_sdpa

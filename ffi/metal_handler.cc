@@ -44,6 +44,7 @@ ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
     return e;
   metal::Plan plan;
   if (std::string why = metal::plan_forward(p, io, &plan); !why.empty()) return unsupported(why);
+  poison_host_outputs({&*out, &*lse});
   return run_plan(plan);
 }
 
@@ -60,6 +61,7 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
     return e;
   metal::Plan plan;
   if (std::string why = metal::plan_backward(p, io, &plan); !why.empty()) return unsupported(why);
+  poison_host_outputs({&*dq, &*dk, &*dv});
   return run_plan(plan);
 }
 

@@ -670,6 +670,7 @@ T simd_shuffle_up(T x, ushort delta, int line = __builtin_LINE()) {
 
 // ---- math (precise; the host compiles shaders with safe math too) ---------------------------
 using std::abs;
+using std::fabs;
 using std::ceil;
 using std::exp;
 using std::exp2;

@@ -91,8 +91,9 @@ template <typename T, int DMAX>
       const float x = j < kend ? sdpa_logit2(s.thread_elements()[e], mask, p, b, h, i, j, qlen,
                                              kvlen, off)
                                : SDPA_NEG_INF;
-      const float pe = sdpa_exp2_safe(x, lse2);
-      s.thread_elements()[e] = pe * (dp.thread_elements()[e] - dlt);  // dS
+      const float pe = sdpa_exp2_prob(x, lse2);
+      // dS, selected: a hidden key's dP may be NaN (a NaN value) and 0 * NaN is NaN
+      s.thread_elements()[e] = pe == 0.0f ? 0.0f : pe * (dp.thread_elements()[e] - dlt);
     }
     for (int c = 0; c < NC; ++c) {
       if (c < nd) {
@@ -177,11 +178,11 @@ template <typename T, int DMAX>
         if (i < qend) {
           const float x = sdpa_logit2(st.thread_elements()[e], mask, p, b, h, i, j, qlen, kvlen,
                                       off);
-          pe = sdpa_exp2_safe(x, lse[lrow + i] * SDPA_LOG2E);
+          pe = sdpa_exp2_prob(x, lse[lrow + i] * SDPA_LOG2E);
           dlt = delta[lrow + i];
         }
         pt.thread_elements()[e] = pe;
-        dst.thread_elements()[e] = pe * (dpt.thread_elements()[e] - dlt);
+        dst.thread_elements()[e] = pe == 0.0f ? 0.0f : pe * (dpt.thread_elements()[e] - dlt);
       }
       for (int c = 0; c < NC; ++c) {
         if (c < ndv) {

@@ -68,10 +68,27 @@ METAL_FUNC float sdpa_logit2(float dot, device const uchar* mask, constant SdpaM
   return x;
 }
 
-// exp2(x - m) that is 0 (not NaN) when x or m is -inf.
+// exp2(x - m) that is 0 (not NaN) when x or m is -inf, and NaN when x is: a NaN score
+// makes its row NaN whatever max() does with NaN (MSL's keeps the first argument).
 METAL_FUNC float sdpa_exp2_safe(float x, float m) {
+  if (isnan(x)) return x;
   return (x == SDPA_NEG_INF || m == SDPA_NEG_INF) ? 0.0f : exp2(x - m);
 }
+
+// The backward's P = exp2(x - lse2) from the forward's natural-log lse (lse2 = lse * log2(e)).
+// That round trip and the recomputed score each round by an ulp or so, which near 1e30 is
+// enough to overflow exp2 or to lose the row's maximum: within 4 ulps of lse2 (2^-22 of it,
+// a P error below 3e-6 at |lse| ~ 10) x is taken as the maximum, and P never exceeds 1.
+METAL_FUNC float sdpa_exp2_prob(float x, float lse2) {
+  if (isnan(x)) return x;
+  if (x == SDPA_NEG_INF || lse2 == SDPA_NEG_INF) return 0.0f;
+  const float d = x - lse2;
+  return exp2(d > -fabs(lse2) * 0x1p-22f ? 0.0f : d);  // a NaN d (NaN lse2) stays NaN
+}
+
+// A row is live (gives its values, its lse, and NaN when a score was) unless its softmax sum
+// is exactly 0: nothing visible. `l > 0` would take a NaN row for an empty one.
+METAL_FUNC bool sdpa_row_live(float l) { return l != 0.0f; }
 
 // ---- 8x8 fragments ----------------------------------------------------------------------------
 // Lane l holds row (q & 4) + ((l / 2) % 4) and columns (q & 2) * 2 + (l % 2) * 2 + {0, 1},

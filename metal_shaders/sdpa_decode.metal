@@ -101,7 +101,7 @@ template <typename T, int DMAX>
       const float s = simd_sum(dot) * p.scale_log2 + madd;
       const float m_new = max(m[r], s);
       const float alpha = sdpa_exp2_safe(m[r], m_new);
-      const float pj = exp2(s - m_new);
+      const float pj = sdpa_exp2_safe(s, m_new);
       l[r] = l[r] * alpha + pj;
       for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * alpha + pj * vr[e];
       m[r] = m_new;
@@ -149,7 +149,7 @@ template <typename T, int DMAX>
       oo *= a;
       mm = mn;
     }
-    const bool live = row_live[r] && ll > 0.0f;
+    const bool live = row_live[r] && sdpa_row_live(ll);
     out[b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2] + d] =
         T(live ? oo / ll : 0.0f);
     if (d == 0) lse[row] = live ? (mm + log2(ll)) * SDPA_LN2 : SDPA_NEG_INF;
@@ -184,7 +184,7 @@ template <typename T>
   float ll = sdpa_exp2_safe(sk, mt);
   for (int s = 0; s < ns; ++s)
     ll += sdpa_exp2_safe(part_ml[(row * ns + s) * 2], mt) * part_ml[(row * ns + s) * 2 + 1];
-  const bool live = row_live && ll > 0.0f;
+  const bool live = row_live && sdpa_row_live(ll);
   const float inv = live ? 1.0f / ll : 0.0f;
   device T* ob = out + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
   for (int d = int(lane); d < p.head_dim_v; d += SDPA_SIMD) {

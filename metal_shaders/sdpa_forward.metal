@@ -101,7 +101,7 @@ template <typename T, int DMAX>
   }
 
   // Rows past the valid length, and rows with nothing to attend to, give 0 and lse -inf.
-  const bool live = i < qlen && l_run > 0.0f;
+  const bool live = i < qlen && sdpa_row_live(l_run);
   const float inv = live ? 1.0f / l_run : 0.0f;
   device T* ob = out + b * p.o_stride[0] + h * p.o_stride[1];
   for (int c = 0; c < NC; ++c)
