@@ -24,6 +24,11 @@ from jax.interpreters import batching, mlir
 from jax_sdpa import dispatch, reference, sharding
 from jax_sdpa.config import Config, StaticParams
 
+try:
+    from jax._src.dispatch import apply_primitive as _apply_primitive
+except ImportError:  # pragma: no cover - a future jax moved it
+    _apply_primitive = None
+
 sdpa_fwd_p = Primitive("jax_sdpa_fwd")
 sdpa_fwd_p.multiple_results = True
 sdpa_bwd_p = Primitive("jax_sdpa_bwd")
@@ -141,8 +146,12 @@ def _bwd_impl(*args, **kw):
 
 
 def mlir_free_call(prim, args, kw):
-    """Eager evaluation: compile the primitive alone (dispatch happens at lowering)."""
-    return _jitted(prim, tuple(sorted(kw.items())))(*args)
+    """Eager evaluation: compile the primitive alone (dispatch happens at lowering). JAX's own
+    apply_primitive where there is one: it also runs where jit is disabled (the re-run of
+    debug_nans / debug_infs), which a jax.jit of the bind would turn into a recursion."""
+    if _apply_primitive is not None:
+        return _apply_primitive(prim, *args, **kw)
+    return _jitted(prim, tuple(sorted(kw.items())))(*args)  # pragma: no cover
 
 
 @functools.lru_cache(maxsize=256)

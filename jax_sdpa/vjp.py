@@ -1,10 +1,20 @@
-"""Differentiation: a `jax.custom_vjp` around the forward primitive.
+"""Differentiation rules of the attention primitives, to any order and in both modes.
 
-The forward saves (q, k, v, out, lse); the backward binds `sdpa_bwd_p` with the
-saved float32 lse and never re-runs the forward. Gradients of sinks and of an
-additive mask are computed here in JAX (cheap for sinks; the mask gradient is as
-large as the mask) and only when those inputs are being differentiated
-(`symbolic_zeros` tells us which inputs are perturbed).
+Reverse mode keeps the fused backward; forward mode and higher orders run through the
+reference's own differentiation (jax_sdpa/reference.py, exact or chunked as the call's
+size asks):
+
+- `sdpa_fwd_p`'s JVP is the fused (out, lse) plus (out_t, lse_t) from
+  `sdpa_fwd_tangent_p`, a primitive linear in the tangents of q, k, v (and of an additive
+  mask and of sinks, when those are perturbed). It lowers to `jax.jvp` of the reference
+  forward. Its transpose binds `sdpa_bwd_p` on the saved (q, k, v, out, lse): `jax.grad`,
+  `jax.vjp` and `jax.linear_transpose` run the fused backward and never that lowering. The
+  gradients of sinks and of an additive mask are computed here in JAX, only for perturbed
+  inputs. An lse cotangent (the entry points stop lse's gradient, like jax.nn; only
+  higher-order programs produce one) goes through the reference's VJP.
+- `sdpa_bwd_p`'s JVP and `sdpa_fwd_tangent_p`'s own JVP are `jax.jvp` of the reference
+  (traced inline, so their transposes are JAX's): grad-of-grad, hessian, jacfwd-of-jacrev
+  and jvp-of-grad run the fused first-order kernels plus reference code for the rest.
 """
 
 from __future__ import annotations
@@ -13,63 +23,309 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from jax_sdpa import primitives, reference
+from jax_sdpa import dispatch, primitives, reference
 from jax_sdpa.config import StaticParams
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
-    """(out, lse); lse is a non-differentiable residual (its cotangent is ignored)."""
+    """(out, lse) through `sdpa_fwd_p`; differentiable in q, k, v, an additive mask and
+    sinks (lse too: its tangent and cotangent are handled, the entry points stop it)."""
     return primitives.fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
 
 
-def _value(x):
-    return None if x is None else x.value
+# ---------------------------------------------------------------------------
+# the reference functions that forward mode and higher orders differentiate
+
+def _is_zero(t):
+    return type(t) is ad.Zero
 
 
-def _perturbed(x):
-    return x is not None and x.perturbed
+def _zero_tangent(x):
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    return ad.Zero(aval.to_tangent_aval())
 
 
-def _attention_fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
-    qv, kv_, vv, maskv, sinksv, qlv, kvlv = map(
-        _value, (q, k, v, mask, sinks, q_lengths, kv_lengths))
-    out, lse = primitives.fwd(qv, kv_, vv, maskv, sinksv, qlv, kvlv, params)
-    # Flags ride in the residuals' tree structure (leafless `()` = yes, None = no)
-    # so that they stay static Python values in the backward.
-    residuals = (qv, kv_, vv, maskv, sinksv, qlv, kvlv, out, lse,
-                 () if _perturbed(mask) else None, () if _perturbed(sinks) else None)
-    return (out, lse), residuals
+def _floating(x):
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _attention_bwd(params, residuals, cotangents):
-    q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse, want_dmask, want_dsinks = residuals
-    dout, _ = cotangents  # the lse residual is not differentiated (like jax.nn)
-    if isinstance(dout, SymbolicZero):
-        dout = jnp.zeros(dout.shape, dout.dtype)
-    dout = dout.astype(out.dtype)
-    dq, dk, dv = primitives.bwd(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
-                                params)
-    dmask = None
-    if want_dmask is not None and mask is not None and mask.dtype != jnp.bool_:
-        dmask = _mask_grad(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params)
-    dsinks = None
-    if want_dsinks is not None and sinks is not None:
-        dsinks = _sinks_grad(out, lse, dout, sinks, params)
-    return dq, dk, dv, dmask, dsinks, None, None
+def _chunked(optional, flags, params, q, k, v) -> bool:
+    """Whether the chunked (O(L) memory) reference serves this call's derivatives: when it
+    is the implementation asked for, or when `implementation=None` on XLA would pick it."""
+    cfg = primitives._config_from_avals([q, k, v, optional[0], optional[1]], flags, params)
+    name = params.implementation
+    if name not in ("xla", "xla_chunked"):
+        name = dispatch._xla_choice(cfg)
+    return name == "xla_chunked"
 
+
+def _reference_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, *, flags, params):
+    """The reference (out, lse) of a call's primitive operands (placeholders included)."""
+    optional = (mask, sinks, q_lengths, kv_lengths)
+    fn = (reference.chunked_forward if _chunked(optional, flags, params, q, k, v)
+          else reference.forward)
+    return fn(q, k, v, *primitives._real(optional, flags), params)
+
+
+def _reference_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *, flags,
+                        params):
+    optional = (mask, sinks, q_lengths, kv_lengths)
+    fn = (reference.chunked_backward if _chunked(optional, flags, params, q, k, v)
+          else reference.backward)
+    return fn(q, k, v, out, lse, dout, *primitives._real(optional, flags), params)
+
+
+def _jvp_over(fn, primals, tangents, positions):
+    """jax.jvp of fn over the primals at `positions` whose tangent is not a symbolic zero
+    (the others are closed over). Returns (primal outputs, tangents) or None."""
+    live = [i for i in positions if not _is_zero(tangents[i])]
+    if not live:
+        return None
+
+    def restricted(*xs):
+        args = list(primals)
+        for i, x in zip(live, xs):
+            args[i] = x
+        return fn(*args)
+
+    return jax.jvp(restricted, [primals[i] for i in live], [tangents[i] for i in live])
+
+
+# Operand positions of sdpa_fwd_p (and the first seven of sdpa_fwd_tangent_p).
+_Q, _K, _V, _MASK, _SINKS = 0, 1, 2, 3, 4
+
+
+def _fwd_differentiable(primals, flags):
+    """Positions of sdpa_fwd_p operands that carry tangents: q, k, v, a float mask, sinks."""
+    positions = [_Q, _K, _V]
+    if flags["has_mask"] and _floating(primals[_MASK]):
+        positions.append(_MASK)
+    if flags["has_sinks"]:
+        positions.append(_SINKS)
+    return positions
+
+
+# ---------------------------------------------------------------------------
+# the tangent primitive:
+#   sdpa_fwd_tangent_p(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse,
+#                      tq, tk, tv, tmask, tsinks) -> (out_t, lse_t)
+# linear in tq, tk, tv, tmask, tsinks (tmask / tsinks are placeholders unless
+# tangent_mask / tangent_sinks); out and lse are kept for the transpose.
+
+sdpa_fwd_tangent_p = Primitive("jax_sdpa_fwd_tangent")
+sdpa_fwd_tangent_p.multiple_results = True
+
+_N_PRIMAL = 9  # q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse
+_TANGENT_FLAGS = ("tangent_mask", "tangent_sinks")
+
+
+def _split_tangent_kwargs(kw):
+    kw = dict(kw)
+    tangent_mask, tangent_sinks = (kw.pop(name) for name in _TANGENT_FLAGS)
+    flags, params = primitives._split_kwargs(kw)
+    return flags, params, tangent_mask, tangent_sinks, kw
+
+
+def _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths, tq, tk, tv, tmask, tsinks,
+                     *, flags, params, tangent_mask, tangent_sinks):
+    """(out_t, lse_t) by jax.jvp of the reference forward."""
+    primals = [q, k, v, mask, sinks]
+    tangents = [tq, tk, tv, tmask if tangent_mask else ad.Zero(None),
+                tsinks if tangent_sinks else ad.Zero(None)]
+    fn = functools.partial(_reference_forward, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                           flags=flags, params=params)
+    _, (out_t, lse_t) = _jvp_over(lambda *a: fn(*a), primals, tangents, range(5))
+    return out_t, lse_t
+
+
+def _tangent_rule_fn(**kw):
+    """sdpa_fwd_tangent_p's operands -> (out_t, lse_t), for the lowering and its JVP."""
+    flags, params, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
+
+    def fn(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse, tq, tk, tv, tmask, tsinks):
+        del out, lse  # the reference recomputes them
+        return _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths, tq, tk, tv,
+                                tmask, tsinks, flags=flags, params=params,
+                                tangent_mask=tangent_mask, tangent_sinks=tangent_sinks)
+
+    return fn
+
+
+def _tangent_abstract(*avals, **kw):
+    out, lse = avals[7], avals[8]  # tangents are shaped like the primal results
+    return (out.update(shape=out.shape, dtype=out.dtype),
+            lse.update(shape=lse.shape, dtype=lse.dtype))
+
+
+def _tangent_transpose(cts, *args, **kw):
+    """Cotangents of the linear operands: the fused backward for out's cotangent (plus sinks
+    and mask gradients in JAX), the reference's VJP for lse's."""
+    flags, params, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
+    q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse = args[:_N_PRIMAL]
+    linear = args[_N_PRIMAL:]
+    undefined = [ad.is_undefined_primal(x) for x in linear]
+    wanted = undefined[:3] + [undefined[3] and tangent_mask, undefined[4] and tangent_sinks]
+    ct_out, ct_lse = cts
+    grads = [None] * 5
+    real_mask, real_sinks, real_ql, real_kvl = primitives._real(
+        (mask, sinks, q_lengths, kv_lengths), flags)
+    if not _is_zero(ct_out):
+        dout = ct_out.astype(out.dtype)
+        if any(wanted[:3]):
+            grads[:3] = primitives.bwd(q, k, v, out, lse, dout, real_mask, real_sinks,
+                                       real_ql, real_kvl, params)
+        if wanted[3]:
+            grads[3] = _mask_grad(q, k, v, out, lse, dout, real_mask, real_ql, real_kvl,
+                                  params)
+        if wanted[4]:
+            grads[4] = _sinks_grad(out, lse, dout, real_sinks, params)
+    if not _is_zero(ct_lse) and any(wanted):
+        extra = _lse_cotangent_grads(args[:7], ct_lse, out, flags, params, wanted)
+        grads = [g if e is None else (e if g is None else g + e) for g, e in zip(grads, extra)]
+    return [None] * _N_PRIMAL + [g if w else None for g, w in zip(grads, wanted)]
+
+
+def _lse_cotangent_grads(operands, ct_lse, out, flags, params, wanted):
+    """Cotangents of (q, k, v, mask, sinks) for a cotangent of lse alone, through the
+    reference's VJP (None where not wanted)."""
+    q, k, v, mask, sinks, q_lengths, kv_lengths = operands
+    positions = [i for i, w in enumerate(wanted) if w]
+    fn = functools.partial(_reference_forward, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                           flags=flags, params=params)
+    primals = [q, k, v, mask, sinks]
+
+    def restricted(*xs):
+        args = list(primals)
+        for i, x in zip(positions, xs):
+            args[i] = x
+        return fn(*args)
+
+    _, pullback = jax.vjp(restricted, *[primals[i] for i in positions])
+    cts = pullback((jnp.zeros(out.shape, out.dtype), ct_lse.astype(jnp.float32)))
+    grads = [None] * 5
+    for i, ct in zip(positions, cts):
+        grads[i] = ct
+    return grads
+
+
+def _tangent_jvp(primals, tangents, **kw):
+    """The tangent primitive's own derivative, through the reference (forward over forward,
+    and the linearization that reverse over forward transposes)."""
+    outs = sdpa_fwd_tangent_p.bind(*primals, **kw)
+    flags, _, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
+    positions = _fwd_differentiable(primals, flags)
+    positions += [_N_PRIMAL + i for i in (0, 1, 2)]
+    if tangent_mask:
+        positions.append(_N_PRIMAL + 3)
+    if tangent_sinks:
+        positions.append(_N_PRIMAL + 4)
+    res = _jvp_over(_tangent_rule_fn(**kw), list(primals), list(tangents), positions)
+    if res is None:
+        return outs, [_zero_tangent(o) for o in outs]
+    return outs, list(res[1])
+
+
+def _pair_fold(x, tx, dx, dtx, size, batch, present, tangent_present):
+    """A broadcastable operand (mask, sinks) and its tangent, folded alike: both keep a
+    batch of 1 when neither varies, else both are materialized per (vmapped, batch) pair."""
+    if not present:
+        return x, tx
+    if not tangent_present:
+        return primitives._fold_broadcastable(x, dx, size, batch), tx
+    if dx is None and dtx is None and x.shape[0] == 1:
+        return x, tx
+    return (primitives._fold(x, dx, size, batch), primitives._fold(tx, dtx, size, batch))
+
+
+def _tangent_batch(args, dims, **kw):
+    flags, _, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    q, qd = args[0], dims[0]
+    batch = int(q.shape[0] if qd is None else np.delete(np.array(q.shape), qd)[0])
+    fold = lambda i: primitives._fold(args[i], dims[i], size, batch)  # noqa: E731
+    new = [None] * len(args)
+    for i in (0, 1, 2, 7, 8, 9, 10, 11):  # q, k, v, out, lse and their-shaped tangents
+        new[i] = fold(i)
+    for i, key in ((5, "has_q_lengths"), (6, "has_kv_lengths")):
+        new[i] = fold(i) if flags[key] else args[i]
+    new[3], new[12] = _pair_fold(args[3], args[12], dims[3], dims[12], size, batch,
+                                 flags["has_mask"], tangent_mask)
+    new[4], new[13] = _pair_fold(args[4], args[13], dims[4], dims[13], size, batch,
+                                 flags["has_sinks"], tangent_sinks)
+    outs = sdpa_fwd_tangent_p.bind(*new, **kw)
+    return [o.reshape((size, batch) + o.shape[1:]) for o in outs], [0, 0]
+
+
+sdpa_fwd_tangent_p.def_impl(
+    lambda *args, **kw: primitives.mlir_free_call(sdpa_fwd_tangent_p, args, kw))
+sdpa_fwd_tangent_p.def_abstract_eval(_tangent_abstract)
+mlir.register_lowering(
+    sdpa_fwd_tangent_p,
+    lambda ctx, *args, **kw: mlir.lower_fun(_tangent_rule_fn(**kw), multiple_results=True)(
+        ctx, *args))
+ad.primitive_jvps[sdpa_fwd_tangent_p] = _tangent_jvp
+ad.primitive_transposes[sdpa_fwd_tangent_p] = _tangent_transpose
+batching.primitive_batchers[sdpa_fwd_tangent_p] = _tangent_batch
+
+
+# ---------------------------------------------------------------------------
+# JVP rules of the two contract primitives
+
+def _placeholder_like(x):
+    return jnp.zeros((0,), x.dtype if _floating(x) else jnp.float32)
+
+
+def _fwd_jvp(primals, tangents, **kw):
+    out, lse = primitives.sdpa_fwd_p.bind(*primals, **kw)
+    flags, _ = primitives._split_kwargs(kw)
+    positions = _fwd_differentiable(primals, flags)
+    if all(_is_zero(tangents[i]) for i in positions):
+        return (out, lse), [_zero_tangent(out), _zero_tangent(lse)]
+    tangent_mask = _MASK in positions and not _is_zero(tangents[_MASK])
+    tangent_sinks = _SINKS in positions and not _is_zero(tangents[_SINKS])
+    tq, tk, tv = (ad.instantiate_zeros(tangents[i]) for i in (_Q, _K, _V))
+    tmask = tangents[_MASK] if tangent_mask else _placeholder_like(primals[_MASK])
+    tsinks = tangents[_SINKS] if tangent_sinks else _placeholder_like(primals[_SINKS])
+    out_t, lse_t = sdpa_fwd_tangent_p.bind(*primals, out, lse, tq, tk, tv, tmask, tsinks,
+                                           tangent_mask=tangent_mask,
+                                           tangent_sinks=tangent_sinks, **kw)
+    return (out, lse), (out_t, lse_t)
+
+
+def _bwd_jvp(primals, tangents, **kw):
+    outs = primitives.sdpa_bwd_p.bind(*primals, **kw)
+    flags, params = primitives._split_kwargs(kw)
+    # q, k, v, out, lse, dout and a float mask; sinks enter the backward only through lse.
+    positions = [0, 1, 2, 3, 4, 5]
+    if flags["has_mask"] and _floating(primals[6]):
+        positions.append(6)
+    fn = functools.partial(_reference_backward, flags=flags, params=params)
+    res = _jvp_over(lambda *a: fn(*a), list(primals), list(tangents), positions)
+    if res is None:
+        return outs, [_zero_tangent(o) for o in outs]
+    return outs, list(res[1])
+
+
+ad.primitive_jvps[primitives.sdpa_fwd_p] = _fwd_jvp
+ad.primitive_jvps[primitives.sdpa_bwd_p] = _bwd_jvp
+
+
+# ---------------------------------------------------------------------------
+# gradients of sinks and of an additive mask (in JAX)
 
 def _sinks_grad(out, lse, dout, sinks, params):
     """d loss / d sink[h] = -sum_{b, i} P_sink(b, h, i) * (dout_i . out_i)."""
     if params.seq_major:
         out, dout = jnp.swapaxes(out, 1, 2), jnp.swapaxes(dout, 1, 2)
     delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)  # [B,H,L]
-    finite = jnp.isfinite(lse)
+    live = lse != -jnp.inf  # a NaN row stays NaN
     s = sinks.astype(jnp.float32)[:, :, None]  # [sB, Hq, 1]
-    p_sink = jnp.where(finite, jnp.exp(s - jnp.where(finite, lse, 0)), 0)
-    grad = -jnp.sum(p_sink * delta, axis=2)  # [B, Hq]
+    zero = jnp.zeros((), jnp.float32)
+    p_sink = jnp.where(live, jnp.exp(jnp.minimum(s - jnp.where(live, lse, zero), zero)), zero)
+    grad = -jnp.sum(jnp.where(live, p_sink * delta, zero), axis=2)  # [B, Hq]
     if sinks.shape[0] == 1:
         grad = jnp.sum(grad, axis=0, keepdims=True)
     return grad.astype(sinks.dtype)
@@ -83,6 +339,3 @@ def _mask_grad(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params):
     if axes:
         ds = jnp.sum(ds, axis=axes, keepdims=True)
     return ds.astype(mask.dtype)
-
-
-attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
