@@ -13,6 +13,7 @@ Everything here runs at trace time; errors name the argument and the shapes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -44,27 +45,103 @@ def _check_float(x, name):
                         f"float64), got {x.dtype}")
 
 
-def _check_sinks(sinks, heads, dim):
-    """sinks of shape (heads,) (`dim` names that axis in messages) as float32 [1, heads]."""
+def _check_sinks(sinks, heads, dim, out_dtype=None):
+    """sinks of shape (heads,) (`dim` names that axis in messages) as float32 [1, heads].
+    With `out_dtype` (the MLX entry), MLX's rule: the sinks' dtype must promote to it."""
     if sinks is None:
         return None
     sinks = _as_array(sinks, "sinks")
     if sinks.shape != (heads,):
         raise ValueError(f"sinks must have shape ({dim},) = ({heads},), got {sinks.shape}")
     _check_float(sinks, "sinks")
+    if out_dtype is not None and jnp.promote_types(sinks.dtype, out_dtype) != out_dtype:
+        raise ValueError(f"sinks of dtype {sinks.dtype} must promote to the output dtype "
+                         f"{jnp.dtype(out_dtype)} (as in MLX): cast them to {jnp.dtype(out_dtype)}")
     return sinks.astype(jnp.float32).reshape(1, heads)
 
 
-def _check_lengths(x, name, batch):
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_scale(scale, head_dim, dim):
+    """scale as a finite Python float: it is a static attribute of the kernels. `dim` names
+    the head dim in messages (the default is 1/sqrt of it)."""
+    if scale is None:
+        if head_dim == 0:
+            raise ValueError(f"the default scale 1/sqrt({dim}) is undefined for a head dim "
+                             f"{dim} = 0: pass scale=")
+        return 1.0 / math.sqrt(head_dim)
+    what = f"{type(scale).__name__} {scale!r}"[:80]
+    if isinstance(scale, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"scale must be a real number, got {what}")
+    try:
+        value = np.asarray(scale)
+    except Exception as e:  # noqa: BLE001 - a traced value (jit argument) lands here
+        raise TypeError(f"scale must be a static Python number (the kernels take it as an "
+                        f"attribute), got {what}") from e
+    if value.ndim != 0:
+        raise TypeError(f"scale must be a scalar, got an array of shape {value.shape}")
+    if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+        raise TypeError(f"scale must be a real number, got {what} of dtype {value.dtype}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def _check_lengths(x, name, batch, full, int32_only=False):
+    """Valid lengths as int32 [B], clamped to [0, full] before any narrowing (an int64
+    2**32 + 3 must mean "all", not 3). `int32_only`: jax.nn's rule, the dtype JAX would
+    give the array must be int32."""
     if x is None:
         return None
-    x = _as_array(x, name)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
+    if isinstance(x, jax.Array):
+        arr = x
+        dtype = arr.dtype
+    else:  # numpy, lists, scalars: clamp in numpy, before JAX narrows them to int32
+        arr = np.asarray(x)
+        dtype = jax.dtypes.canonicalize_dtype(arr.dtype) if arr.dtype != object else arr.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of shape ({batch},), got dtype "
-                        f"{x.dtype}")
-    if x.shape != (batch,):
-        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {x.shape}")
-    return x.astype(jnp.int32)
+                        f"{dtype}")
+    if int32_only and dtype != jnp.int32:
+        raise ValueError(f"{name} dtype should be int32, got {dtype}")
+    if arr.shape != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {arr.shape}")
+    if isinstance(arr, np.ndarray):
+        return jnp.asarray(np.clip(arr, 0, full).astype(np.int32))
+    if arr.dtype != jnp.int32:
+        arr = jnp.clip(arr, 0, full).astype(jnp.int32)
+    return arr
+
+
+def _check_window(local_window_size):
+    """(left, right) from None, an int or a pair of non-negative ints; -1 = unbounded."""
+    if local_window_size is None:
+        return -1, -1
+    if _is_int(local_window_size):
+        pair = (local_window_size, local_window_size)
+    elif isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(f"local_window_size must be an int or a (left, right) pair, got "
+                             f"{local_window_size!r}")
+        pair = tuple(local_window_size)
+    else:
+        raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, "
+                        f"got {type(local_window_size).__name__} {local_window_size!r}")
+    if not all(_is_int(w) for w in pair):
+        raise TypeError(f"local_window_size must hold ints, got {local_window_size!r}")
+    left, right = (int(w) for w in pair)
+    if left < 0 or right < 0:
+        raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
+    return left, right
+
+
+def _check_bool(x, name):
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
 
 
 def _check_implementation(implementation):
@@ -119,15 +196,34 @@ def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params) -> Config:
         sinks_batch=1 if sinks is None else sinks.shape[0])
 
 
+# Zero features stand in for a head dim of 0 (every score is then 0, plus the masks):
+# a multiple of 8, which every kernel takes.
+_EMPTY_DIM_STANDIN = 8
+
+
 def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
-    """(out, lse) through the differentiable op; handles empty sequences."""
+    """(out, lse) through the differentiable op; handles empty sequences and head dims."""
     len_q, len_kv = (q.shape[1], k.shape[1]) if params.seq_major else (q.shape[2], k.shape[2])
     b = q.shape[0]
     hq = q.shape[2] if params.seq_major else q.shape[1]
     if len_q == 0 or len_kv == 0 or b == 0:
         out = jnp.zeros(q.shape[:3] + (v.shape[3],), q.dtype)
         return out, jnp.full((b, hq, len_q), -jnp.inf, jnp.float32)
+    if q.shape[3] == 0:
+        q = jnp.zeros(q.shape[:3] + (_EMPTY_DIM_STANDIN,), q.dtype)
+        k = jnp.zeros(k.shape[:3] + (_EMPTY_DIM_STANDIN,), k.dtype)
+    if v.shape[3] == 0:
+        standin = jnp.zeros(v.shape[:3] + (_EMPTY_DIM_STANDIN,), v.dtype)
+        out, lse = vjp.attention(q, k, standin, mask, sinks, q_lengths, kv_lengths, params)
+        return out[..., :0], lse
     return vjp.attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+
+
+@functools.partial(jax.jit, static_argnames=("params",))
+def _attend(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
+    """The MLX entry's computation, jitted: eager calls then expose only its result to
+    debug_nans / debug_infs (the lse of an empty row is -inf by contract)."""
+    return _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -167,11 +263,11 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
         mask = _canonical_mask_dtype(_as_array(mask, "mask"), "mask")
         mask = _broadcast_mask(mask, "mask", (b, hq, lq, lk))
 
-    sinks = _check_sinks(sinks, hq, "Hq")
+    sinks = _check_sinks(sinks, hq, "Hq", out_dtype=dtype)
 
-    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b)
-    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
-    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, lq)
+    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, lk)
+    scale = _check_scale(scale, d, "D")
     params = StaticParams(scale=scale, window_left=-1, window_right=window_right,
                           bottom_right=bottom_right, seq_major=False,
                           implementation=implementation)
@@ -194,8 +290,8 @@ def scaled_dot_product_attention(q, k, v, *, scale: Optional[float] = None, mask
     args = _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths,
                              key_value_seq_lengths, implementation)
     _check_named(implementation, *args)
-    out, _ = _run(*args)
-    return out
+    q, k, v, mask, sinks, q_lengths, kv_lengths, params = args
+    return _attend(q, k, v, mask, sinks, q_lengths, kv_lengths, params=params)
 
 
 # ---------------------------------------------------------------------------
@@ -242,59 +338,63 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         raise ValueError(f"The number of query heads must be a multiple of key/value heads, "
                          f"but got {n} vs {nk}")
     full = (b, n, t, s)
-    combined = None
     if bias is not None:
         bias = _ensure_4d(_as_array(bias, "bias"))
         _check_float(bias, "bias")
-        combined = _broadcast_mask(_canonical_mask_dtype(bias, "bias"), "bias", full)
+        bias = _broadcast_mask(_canonical_mask_dtype(bias, "bias"), "bias", full)
     if mask is not None:
         mask = _ensure_4d(_as_array(mask, "mask"))
         if mask.dtype != jnp.bool_:
             raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
         mask = _broadcast_mask(mask, "mask", full)
-        if combined is None:
-            combined = mask
-        else:  # both: one additive mask (masked entries can never be seen)
-            neg = jnp.asarray(-jnp.inf, combined.dtype)
-            combined = jnp.where(mask, combined, neg)
-    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b)
-    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
-    if query_seq_lengths is not None and jnp.asarray(query_seq_lengths).dtype != jnp.int32:
-        raise ValueError("query_seq_lengths dtype should be int32")
-    if key_value_seq_lengths is not None and jnp.asarray(key_value_seq_lengths).dtype != jnp.int32:
-        raise ValueError("key_value_seq_lengths dtype should be int32")
-    if isinstance(local_window_size, int):
-        local_window_size = (local_window_size, local_window_size)
-    window_left, window_right = -1, -1
-    if local_window_size is not None:
-        window_left, window_right = (int(w) for w in local_window_size)
-        if window_left < 0 or window_right < 0:
-            raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
-    if is_causal:
+    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, t, int32_only=True)
+    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s,
+                                int32_only=True)
+    window_left, window_right = _check_window(local_window_size)
+    if _check_bool(is_causal, "is_causal"):
         window_right = 0 if window_right < 0 else min(window_right, 0)
+    return_residual = _check_bool(return_residual, "return_residual")
     sinks = _check_sinks(sinks, n, "N")
-    scale = float(1.0 / math.sqrt(h) if scale is None else scale)
+    scale = _check_scale(scale, h, "H")
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
                           bottom_right=False, seq_major=True, implementation=implementation)
-    args = (query, key, value, combined, sinks, q_lengths, kv_lengths, params)
-    _check_named(implementation, *args)
-    out, lse = _run(*args)
-    may_be_empty = _rows_may_be_empty(combined, kv_lengths, window_left, t, s)
-    if may_be_empty or q_lengths is not None:
-        out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
+    present = [x for x in (bias, mask) if x is not None]
+    combined = None if not present else jax.ShapeDtypeStruct(  # what _attend_jax_nn passes
+        jnp.broadcast_shapes(*(x.shape for x in present)), present[0].dtype)
+    _check_named(implementation, query, key, value, combined, sinks, q_lengths, kv_lengths,
+                 params)
+    may_be_empty = _rows_may_be_empty(bias is not None or mask is not None, kv_lengths,
+                                      window_left, t, s)
+    out, residual = _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths,
+                                   params=params, may_be_empty=may_be_empty)
     out = out.reshape(output_shape)
     if return_residual:
-        residual = jnp.swapaxes(lse, 1, 2)  # B N T -> B T N
         residual = jax.lax.stop_gradient(residual).astype(key.dtype)
         return out, residual.reshape(output_shape[:-1])
     return out
 
 
-def _rows_may_be_empty(mask, kv_lengths, window_left, t, s):
+@functools.partial(jax.jit, static_argnames=("params", "may_be_empty"))
+def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, params,
+                   may_be_empty):
+    """The jax.nn entry's computation, jitted (see `_attend`): (out, residual lse B T N)."""
+    combined = bias
+    if mask is not None:
+        # both: one additive mask (masked entries can never be seen)
+        combined = mask if bias is None else jnp.where(
+            mask, bias, jnp.asarray(-jnp.inf, bias.dtype))
+    out, lse = _run(query, key, value, combined, sinks, q_lengths, kv_lengths, params)
+    t, n = query.shape[1], query.shape[2]
+    if may_be_empty or q_lengths is not None:
+        out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
+    return out, jnp.swapaxes(lse, 1, 2)  # B N T -> B T N
+
+
+def _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s):
     """Can a (non-padded) query row have no visible key under jax.nn's top-left rules?
     Causal and right windows always leave key 0 visible; a left window empties the
     rows past the keys' end; masks and key lengths can empty any row."""
-    return (mask is not None or kv_lengths is not None
+    return (has_mask or kv_lengths is not None
             or (window_left >= 0 and t - 1 - window_left > s - 1))
 
 

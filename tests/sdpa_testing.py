@@ -106,14 +106,17 @@ def random_inputs(case: Case, rng: np.random.Generator):
 
 
 def cast_inputs(inputs, dtype):
-    """Array inputs as jax arrays in the case dtype (masks keep theirs)."""
+    """Array inputs as jax arrays in the case dtype (masks keep theirs; sinks take the case
+    dtype too: MLX's contract wants their dtype to promote to the output's)."""
     out = dict(inputs)
     for name in ("q", "k", "v"):
         out[name] = jnp.asarray(inputs[name], DTYPES[dtype])
+    if out["sinks"] is not None:
+        out["sinks"] = jnp.asarray(inputs["sinks"], DTYPES[dtype])
     for name in ("mask",):
         if out[name] is not None and not isinstance(out[name], str):
             out[name] = jnp.asarray(out[name])
-    for name in ("sinks", "query_seq_lengths", "key_value_seq_lengths"):
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
         if out[name] is not None:
             out[name] = jnp.asarray(out[name])
     return out
@@ -141,7 +144,7 @@ def oracle_forward(q, k, v, mask=None, sinks=None, query_seq_lengths=None,
 def oracle_inputs_f64(inputs, dtype):
     """Oracle inputs: the case's inputs rounded to its dtype, then float64."""
     out = dict(inputs)
-    for name in ("q", "k", "v"):
+    for name in ("q", "k", "v") + (("sinks",) if inputs.get("sinks") is not None else ()):
         out[name] = rounded_float64(inputs[name], dtype)
     return out
 

@@ -93,6 +93,6 @@ def test_matches_mlx_low_precision(impl, dtype, rng):
     with serves_or_skip():
         got = jax_sdpa.scaled_dot_product_attention(
             jnp.asarray(q, jdt), jnp.asarray(k, jdt), jnp.asarray(v, jdt), mask="causal",
-            sinks=sinks, implementation=impl)
+            sinks=jnp.asarray(sinks, jdt), implementation=impl)
     # no worse than twice MLX's own error in this dtype, plus a floor
     assert_close(got, want32, dtype, xla_same_dtype=theirs, what="vs MLX")
