@@ -11,16 +11,20 @@ multiplicative (bool or numbers, nonzero = attend), bias additive, causal top-le
 `flax.nnx.make_causal_mask` and `jax.nn.dot_product_attention(is_causal=True)`).
 Key/value may have fewer heads than the query (GQA, as `nnx.MultiHeadAttention(num_kv_heads=)`).
 
-What cannot run fused is computed exactly the way Flax computes it, on an XLA path that
-materializes the attention weights (and is therefore only chosen when needed):
+What cannot run fused is computed exactly the way Flax's `dot_product_attention` computes
+it (softmax in the computation dtype, in float32 with `force_fp32_for_softmax`), on an XLA
+path that materializes the attention weights (and is therefore only chosen when needed):
 - dropout on the attention weights (`dropout_rate > 0` and not `deterministic`): the same
   Bernoulli draws as Flax's own for the same `dropout_rng`, so the results are Flax's;
 - `module=` (Flax sows the attention weights into the module's intermediates);
 - custom einsums (`qk_attn_weights_einsum`/`attn_weights_value_einsum`, `einsum_dot_general`);
+- complex inputs (Flax attends over them; the kernels take real floats);
 - a non-default `precision` other than HIGHEST off CPU (XLA:CPU multiplies float32 exactly
   anyway). `precision=HIGHEST` runs fused, in the kernels' full-float32 mode (as under
   `jax.default_matmul_precision("highest")`: the fp32_precision attribute).
 With a named fused `implementation` those cases raise `NotImplementedError` instead.
+The fused softmax is always float32; with `force_fp32_for_softmax` and 16-bit inputs the
+result is float32, as Flax's is (its float32 weights promote the weighted sum).
 """
 
 from __future__ import annotations
@@ -127,12 +131,18 @@ def _sow(module, weights):
         module.sow("intermediates", "attention_weights", weights)
 
 
+def _softmax_dtype(dtype, force_fp32_for_softmax):
+    """Flax's rule: the weights are computed (and kept) in float32 only when asked for and
+    the computation dtype is not float32 already."""
+    return jnp.float32 if force_fp32_for_softmax and dtype != jnp.float32 else None
+
+
 def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
            dropout, dtype, precision, module, einsum_dot_general, qk_einsum, wv_einsum,
-           is_causal, sinks):
-    """Flax's own computation (attention weights materialized), generalized to GQA and
-    sinks, with the softmax in float32. Works on the original [batch..., L, N, H] layout
-    so that dropout draws exactly Flax's random bits."""
+           is_causal, sinks, force_fp32_for_softmax):
+    """Flax's own computation (attention weights materialized, softmax in `dtype` or in
+    float32 with force_fp32_for_softmax), generalized to GQA and sinks. Works on the
+    original [batch..., L, N, H] layout so that dropout draws exactly Flax's random bits."""
     group = query.shape[-2] // key.shape[-2]
     if group > 1:
         key, value = jnp.repeat(key, group, axis=-2), jnp.repeat(value, group, axis=-2)
@@ -152,14 +162,17 @@ def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropou
     if masks:
         keep = masks[0] if len(masks) == 1 else jnp.logical_and(*masks)
         w = jnp.where(keep, w, jnp.finfo(dtype).min)
-    w = w.astype(jnp.float32)
+    weights_dtype = _softmax_dtype(dtype, force_fp32_for_softmax)
+    if weights_dtype is not None:
+        w = w.astype(weights_dtype)
     if sinks is not None:
-        sink_col = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(-1, 1, 1),
+        sink_col = jnp.broadcast_to(jnp.asarray(sinks, w.dtype).reshape(-1, 1, 1),
                                     w.shape[:-1] + (1,))
         w = jax.nn.softmax(jnp.concatenate([w, sink_col], axis=-1), axis=-1)[..., :-1]
     else:
         w = jax.nn.softmax(w, axis=-1)
-    w = w.astype(dtype)
+    if weights_dtype is None:
+        w = w.astype(dtype)
     if module is not None:
         _sow(module, w)
     if dropout:
@@ -179,10 +192,15 @@ def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropou
 def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                deterministic, dtype, precision, module, einsum_dot_general,
                qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype, is_causal,
-               implementation, sinks):
+               implementation, sinks, force_fp32_for_softmax):
     if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
         raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum must be "
                          "specified together")
+    if (precision is not None or einsum_dot_general is not None) and (
+            qk_attn_weights_einsum is not None):
+        raise ValueError("precision/einsum_dot_general and qk_attn_weights_einsum/"
+                         "attn_weights_value_einsum are mutually exclusive (as in Flax): "
+                         "specify only one of them")
     if promote_dtype is not None:
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
     else:
@@ -198,6 +216,8 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
         reasons.append("module= (sowing the attention weights)")
     if qk_attn_weights_einsum is not None or einsum_dot_general is not None:
         reasons.append("custom einsums")
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        reasons.append(f"complex inputs ({jnp.dtype(dtype)})")
     # precision: XLA:CPU multiplies float32 exactly anyway; elsewhere HIGHEST runs the fused
     # kernels in their full-accuracy mode, other non-default precisions the exact path.
     fp32_exact = False
@@ -213,7 +233,8 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
                 f"{', '.join(reasons)} needs the exact XLA path (implementation=None or 'xla')")
         return _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
                       dropout_rate, dropout, dtype, precision, module, einsum_dot_general,
-                      qk_attn_weights_einsum, attn_weights_value_einsum, is_causal, sinks)
+                      qk_attn_weights_einsum, attn_weights_value_einsum, is_causal, sinks,
+                      force_fp32_for_softmax)
 
     batch_shape = query.shape[:-3]
     b = math.prod(batch_shape)
@@ -230,6 +251,9 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
         out = api.dot_product_attention(q4, k4, v4, bias=bias4, mask=mask4,
                                         is_causal=is_causal, implementation=implementation,
                                         sinks=sinks)
+    weights_dtype = _softmax_dtype(dtype, force_fp32_for_softmax)
+    if weights_dtype is not None:  # Flax's float32 weights make its result float32
+        out = out.astype(jnp.promote_types(out.dtype, weights_dtype))
     return out.reshape(batch_shape + out.shape[1:])
 
 
@@ -253,14 +277,13 @@ def make_attention_fn(is_causal: bool = False, implementation: Optional[str] = N
                      force_fp32_for_softmax: bool = False, einsum_dot_general=None,
                      qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                      promote_dtype=None, is_causal: bool = False):
-        """Flax-compatible attention; see `jax_sdpa.flax`. The softmax is always float32,
-        so `force_fp32_for_softmax` is always honoured."""
-        del force_fp32_for_softmax
+        """Flax-compatible attention; see `jax_sdpa.flax`."""
         return _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
                           dropout_rate, deterministic, dtype, precision, module,
                           einsum_dot_general, qk_attn_weights_einsum,
                           attn_weights_value_einsum, promote_dtype,
-                          configured_causal or bool(is_causal), implementation, sinks)
+                          configured_causal or bool(is_causal), implementation, sinks,
+                          bool(force_fp32_for_softmax))
 
     attention_fn.__qualname__ = attention_fn.__name__ = "attention_fn"
     attention_fn.__module__ = __name__
