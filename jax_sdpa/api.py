@@ -379,8 +379,7 @@ def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, 
                    may_be_empty):
     """The jax.nn entry's computation, jitted (see `_attend`): (out, residual lse B T N)."""
     combined = bias
-    if mask is not None:
-        # both: one additive mask (masked entries can never be seen)
+    if mask is not None:  # both: one additive mask (masked entries can never be seen)
         combined = mask if bias is None else jnp.where(
             mask, bias, jnp.asarray(-jnp.inf, bias.dtype))
     out, lse = _run(query, key, value, combined, sinks, q_lengths, kv_lengths, params)

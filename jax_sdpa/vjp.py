@@ -111,15 +111,30 @@ def _fwd_differentiable(primals, flags):
 # ---------------------------------------------------------------------------
 # the tangent primitive:
 #   sdpa_fwd_tangent_p(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse,
-#                      tq, tk, tv, tmask, tsinks) -> (out_t, lse_t)
+#                      mask_neg_inf, lse_neg_inf, tq, tk, tv, tmask, tsinks) -> (out_t, lse_t)
 # linear in tq, tk, tv, tmask, tsinks (tmask / tsinks are placeholders unless
-# tangent_mask / tangent_sinks); out and lse are kept for the transpose.
+# tangent_mask / tangent_sinks). out and lse are kept for the transpose. A float mask and
+# lse travel without their -inf (0 there, and a bool of where it was): an eager jax.grad
+# hands them from its forward jit to its backward one as outputs, which debug_infs checks.
 
 sdpa_fwd_tangent_p = Primitive("jax_sdpa_fwd_tangent")
 sdpa_fwd_tangent_p.multiple_results = True
 
-_N_PRIMAL = 9  # q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse
+_OUT, _LSE, _MASK_NEG_INF, _LSE_NEG_INF = 7, 8, 9, 10
+_N_PRIMAL = 11
 _TANGENT_FLAGS = ("tangent_mask", "tangent_sinks")
+
+
+def _without_neg_inf(x):
+    """(x with 0 for -inf, where x was -inf)."""
+    neg_inf = x == -jnp.inf
+    return jnp.where(neg_inf, jnp.zeros((), x.dtype), x), neg_inf
+
+
+def _with_neg_inf(finite, neg_inf):
+    if neg_inf.size == 0:  # a placeholder: nothing was taken out
+        return finite
+    return jnp.where(neg_inf, jnp.asarray(-jnp.inf, finite.dtype), finite)
 
 
 def _split_tangent_kwargs(kw):
@@ -127,6 +142,14 @@ def _split_tangent_kwargs(kw):
     tangent_mask, tangent_sinks = (kw.pop(name) for name in _TANGENT_FLAGS)
     flags, params = primitives._split_kwargs(kw)
     return flags, params, tangent_mask, tangent_sinks, kw
+
+
+def _tangent_primals(args):
+    """(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse) with their -inf back."""
+    primal = list(args[:9])
+    primal[_MASK] = _with_neg_inf(args[_MASK], args[_MASK_NEG_INF])
+    primal[_LSE] = _with_neg_inf(args[_LSE], args[_LSE_NEG_INF])
+    return primal
 
 
 def _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths, tq, tk, tv, tmask, tsinks,
@@ -145,17 +168,18 @@ def _tangent_rule_fn(**kw):
     """sdpa_fwd_tangent_p's operands -> (out_t, lse_t), for the lowering and its JVP."""
     flags, params, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
 
-    def fn(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse, tq, tk, tv, tmask, tsinks):
-        del out, lse  # the reference recomputes them
-        return _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths, tq, tk, tv,
-                                tmask, tsinks, flags=flags, params=params,
+    def fn(*args):
+        q, k, v, mask, sinks, q_lengths, kv_lengths = _tangent_primals(args)[:7]
+        # out and lse: the reference recomputes them
+        return _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths,
+                                *args[_N_PRIMAL:], flags=flags, params=params,
                                 tangent_mask=tangent_mask, tangent_sinks=tangent_sinks)
 
     return fn
 
 
 def _tangent_abstract(*avals, **kw):
-    out, lse = avals[7], avals[8]  # tangents are shaped like the primal results
+    out, lse = avals[_OUT], avals[_LSE]  # the tangents are shaped like the primal results
     return (out.update(shape=out.shape, dtype=out.dtype),
             lse.update(shape=lse.shape, dtype=lse.dtype))
 
@@ -164,7 +188,7 @@ def _tangent_transpose(cts, *args, **kw):
     """Cotangents of the linear operands: the fused backward for out's cotangent (plus sinks
     and mask gradients in JAX), the reference's VJP for lse's."""
     flags, params, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
-    q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse = args[:_N_PRIMAL]
+    q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse = _tangent_primals(args)
     linear = args[_N_PRIMAL:]
     undefined = [ad.is_undefined_primal(x) for x in linear]
     wanted = undefined[:3] + [undefined[3] and tangent_mask, undefined[4] and tangent_sinks]
@@ -183,7 +207,8 @@ def _tangent_transpose(cts, *args, **kw):
         if wanted[4]:
             grads[4] = _sinks_grad(out, lse, dout, real_sinks, params)
     if not _is_zero(ct_lse) and any(wanted):
-        extra = _lse_cotangent_grads(args[:7], ct_lse, out, flags, params, wanted)
+        extra = _lse_cotangent_grads((q, k, v, mask, sinks, q_lengths, kv_lengths), ct_lse,
+                                     out, flags, params, wanted)
         grads = [g if e is None else (e if g is None else g + e) for g, e in zip(grads, extra)]
     return [None] * _N_PRIMAL + [g if w else None for g, w in zip(grads, wanted)]
 
@@ -228,16 +253,14 @@ def _tangent_jvp(primals, tangents, **kw):
     return outs, list(res[1])
 
 
-def _pair_fold(x, tx, dx, dtx, size, batch, present, tangent_present):
-    """A broadcastable operand (mask, sinks) and its tangent, folded alike: both keep a
-    batch of 1 when neither varies, else both are materialized per (vmapped, batch) pair."""
-    if not present:
-        return x, tx
-    if not tangent_present:
-        return primitives._fold_broadcastable(x, dx, size, batch), tx
-    if dx is None and dtx is None and x.shape[0] == 1:
-        return x, tx
-    return (primitives._fold(x, dx, size, batch), primitives._fold(tx, dtx, size, batch))
+def _fold_together(args, dims, idx, size, batch, present):
+    """Operands that must keep one shape (a broadcastable mask or sinks, and what goes with
+    it: its -inf flags, its tangent), folded alike: all keep a batch of 1 when none varies,
+    else all are materialized per (vmapped, batch) pair. Placeholders pass through."""
+    idx = [i for i, real in zip(idx, present) if real]
+    if all(dims[i] is None for i in idx) and args[idx[0]].shape[0] == 1:
+        return {i: args[i] for i in idx}
+    return {i: primitives._fold(args[i], dims[i], size, batch) for i in idx}
 
 
 def _tangent_batch(args, dims, **kw):
@@ -245,16 +268,22 @@ def _tangent_batch(args, dims, **kw):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     q, qd = args[0], dims[0]
     batch = int(q.shape[0] if qd is None else np.delete(np.array(q.shape), qd)[0])
-    fold = lambda i: primitives._fold(args[i], dims[i], size, batch)  # noqa: E731
-    new = [None] * len(args)
-    for i in (0, 1, 2, 7, 8, 9, 10, 11):  # q, k, v, out, lse and their-shaped tangents
-        new[i] = fold(i)
+    new = list(args)  # placeholders are made inside our rules: never batched
+    t = _N_PRIMAL
+    for i in (0, 1, 2, _OUT, _LSE, _LSE_NEG_INF, t, t + 1, t + 2):  # q-, k-, v-, lse-shaped
+        new[i] = primitives._fold(args[i], dims[i], size, batch)
     for i, key in ((5, "has_q_lengths"), (6, "has_kv_lengths")):
-        new[i] = fold(i) if flags[key] else args[i]
-    new[3], new[12] = _pair_fold(args[3], args[12], dims[3], dims[12], size, batch,
-                                 flags["has_mask"], tangent_mask)
-    new[4], new[13] = _pair_fold(args[4], args[13], dims[4], dims[13], size, batch,
-                                 flags["has_sinks"], tangent_sinks)
+        if flags[key]:
+            new[i] = primitives._fold(args[i], dims[i], size, batch)
+    if flags["has_mask"]:
+        group = _fold_together(args, dims, [_MASK, _MASK_NEG_INF, t + 3], size, batch,
+                               [True, args[_MASK_NEG_INF].size > 0, tangent_mask])
+        for i, x in group.items():
+            new[i] = x
+    if flags["has_sinks"]:
+        for i, x in _fold_together(args, dims, [_SINKS, t + 4], size, batch,
+                                   [True, tangent_sinks]).items():
+            new[i] = x
     outs = sdpa_fwd_tangent_p.bind(*new, **kw)
     return [o.reshape((size, batch) + o.shape[1:]) for o in outs], [0, 0]
 
@@ -289,7 +318,13 @@ def _fwd_jvp(primals, tangents, **kw):
     tq, tk, tv = (ad.instantiate_zeros(tangents[i]) for i in (_Q, _K, _V))
     tmask = tangents[_MASK] if tangent_mask else _placeholder_like(primals[_MASK])
     tsinks = tangents[_SINKS] if tangent_sinks else _placeholder_like(primals[_SINKS])
-    out_t, lse_t = sdpa_fwd_tangent_p.bind(*primals, out, lse, tq, tk, tv, tmask, tsinks,
+    operands = list(primals)
+    mask_neg_inf = jnp.zeros((0,), jnp.bool_)
+    if flags["has_mask"] and _floating(primals[_MASK]):
+        operands[_MASK], mask_neg_inf = _without_neg_inf(primals[_MASK])
+    lse_finite, lse_neg_inf = _without_neg_inf(lse)
+    out_t, lse_t = sdpa_fwd_tangent_p.bind(*operands, out, lse_finite, mask_neg_inf,
+                                           lse_neg_inf, tq, tk, tv, tmask, tsinks,
                                            tangent_mask=tangent_mask,
                                            tangent_sinks=tangent_sinks, **kw)
     return (out, lse), (out_t, lse_t)
