@@ -116,6 +116,32 @@ inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
   return s + "]";
 }
 
+inline std::string dtype_str(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    default: return "dtype code " + std::to_string(static_cast<int>(t));
+  }
+}
+
+// "float32 [1, 2, 5]": what a message says an operand is.
+inline std::string typed_dims_str(ffi::DataType t, ffi::AnyBuffer::Dimensions d) {
+  return dtype_str(t) + " " + dims_str(d);
+}
+
 inline ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_sdpa: " + what);
 }
@@ -183,9 +209,13 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   if (auto e = detail::read_bhld("k", k.dimensions(), a.seq_major, &ks); e.failure()) return e;
   if (auto e = detail::read_bhld("v", v.dimensions(), a.seq_major, &vs); e.failure()) return e;
   if (!detail::to_dtype(q.element_type(), &p->dtype))
-    return invalid("q must be float32, float16 or bfloat16");
+    return invalid("q must be float32, float16 or bfloat16, got " +
+                   detail::dtype_str(q.element_type()));
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
-    return invalid("q, k and v must have the same dtype");
+    return invalid("q, k and v must have the same dtype, got " +
+                   detail::dtype_str(q.element_type()) + ", " +
+                   detail::dtype_str(k.element_type()) + ", " +
+                   detail::dtype_str(v.element_type()));
   if (ks.b != qs.b || vs.b != qs.b)
     return invalid("q, k, v batch sizes differ: q " + detail::dims_str(q.dimensions()) +
                    ", k " + detail::dims_str(k.dimensions()) + ", v " +
@@ -193,9 +223,15 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   if (ks.h == 0 || vs.h != ks.h || qs.h % ks.h != 0)
     return invalid("heads: q has " + std::to_string(qs.h) + ", k " + std::to_string(ks.h) +
                    ", v " + std::to_string(vs.h) + "; need k == v and q a multiple of k");
-  if (ks.d != qs.d) return invalid("q and k head dims differ");
-  if (vs.l != ks.l) return invalid("k and v lengths differ");
-  if (qs.d == 0 || vs.d == 0) return invalid("head dims must be positive");
+  if (ks.d != qs.d)
+    return invalid("q and k head dims differ: q " + detail::dims_str(q.dimensions()) + ", k " +
+                   detail::dims_str(k.dimensions()));
+  if (vs.l != ks.l)
+    return invalid("k and v lengths differ: k " + detail::dims_str(k.dimensions()) + ", v " +
+                   detail::dims_str(v.dimensions()));
+  if (qs.d == 0 || vs.d == 0)
+    return invalid("head dims must be positive, got D=" + std::to_string(qs.d) +
+                   ", Dv=" + std::to_string(vs.d));
 
   p->batch = qs.b;
   p->heads_q = qs.h;
@@ -248,7 +284,8 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
     } else if (detail::to_dtype(mask.element_type(), &p->mask_dtype)) {
       p->mask_kind = MaskKind::kAdditive;
     } else {
-      return invalid("mask must be bool, float32, float16 or bfloat16");
+      return invalid("mask must be bool, float32, float16 or bfloat16, got " +
+                     detail::dtype_str(mask.element_type()));
     }
     p->mask = mask.untyped_data();
   }
@@ -258,7 +295,8 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
     auto sd = sinks.dimensions();
     if (sinks.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[1] != p->heads_q ||
         (sd[0] != 1 && sd[0] != p->batch))
-      return invalid("sinks must be float32 [1 or B, Hq], got " + detail::dims_str(sd));
+      return invalid("sinks must be float32 [1 or B, Hq], got " +
+                     detail::typed_dims_str(sinks.element_type(), sd));
     p->sinks = static_cast<const float*>(sinks.untyped_data());
     p->sinks_batch_stride = (sd[0] == 1 && p->batch != 1) ? 0 : p->heads_q;
   }
@@ -270,7 +308,7 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
     auto d = buf.dimensions();
     if (buf.element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != p->batch)
       return invalid(std::string(name) + " must be int32 [B=" + std::to_string(p->batch) +
-                     "], got " + detail::dims_str(d));
+                     "], got " + detail::typed_dims_str(buf.element_type(), d));
     *out = static_cast<const int32_t*>(buf.untyped_data());
     return ffi::Error::Success();
   };
@@ -293,14 +331,17 @@ inline ffi::Error check_like(const char* name, const ffi::AnyBuffer::Dimensions 
     return detail::invalid(std::string(name) + " has shape " + detail::dims_str(got) +
                            ", inconsistent with " + like_name + " " + detail::dims_str(want));
   if (got_type != like.element_type())
-    return detail::invalid(std::string(name) + " dtype differs from " + like_name);
+    return detail::invalid(std::string(name) + " has dtype " + detail::dtype_str(got_type) +
+                           ", " + like_name + " " + detail::dtype_str(like.element_type()));
   return ffi::Error::Success();
 }
 
 inline ffi::Error check_lse(ffi::AnyBuffer::Dimensions d, ffi::DataType t, const SdpaParams& p) {
   if (t != ffi::DataType::F32 || d.size() != 3 || d[0] != p.batch || d[1] != p.heads_q ||
       d[2] != p.len_q)
-    return detail::invalid("lse must be float32 [B, Hq, Lq], got " + detail::dims_str(d));
+    return detail::invalid("lse must be float32 [B, Hq, Lq] = [" + std::to_string(p.batch) +
+                           ", " + std::to_string(p.heads_q) + ", " + std::to_string(p.len_q) +
+                           "], got " + detail::typed_dims_str(t, d));
   return ffi::Error::Success();
 }
 
