@@ -82,6 +82,22 @@ def m_shard_map_heads_only_q_varies():
     close(g, jax.grad(lambda q: jnp.sum(sdpa("xla", mask="causal")(q, k, v) ** 2))(q), "grad")
 
 
+def m_sharded_jit_forward_mode():
+    """Under jit over batch-sharded NamedShardings (custom partitioning of the primitives):
+    jvp and grad of grad still match the unsharded xla call."""
+    from jax.sharding import NamedSharding
+    q, k, v = normal(4, 4, 9, 16), normal(4, 2, 9, 16), normal(4, 2, 9, 16)
+    spec = NamedSharding(mesh(4, "b"), P("b"))
+    placed = [jax.device_put(x, spec) for x in (q, k, v)]
+    f, ref = sdpa(IMPL, mask="causal"), sdpa("xla", mask="causal")
+    t = (normal(*q.shape), normal(*k.shape), normal(*v.shape))
+    close(jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(*placed, *t), jax.jvp(ref, (q, k, v), t),
+          "jvp")
+    gg = lambda g: jax.grad(lambda q: jnp.sum(jax.grad(  # noqa: E731
+        lambda q: jnp.sum(jnp.sin(g(q, k, v))))(q) ** 2))
+    close(jax.jit(gg(f))(placed[0]), gg(ref)(q), "grad of grad")
+
+
 def _ring(layout, n=4):
     q, k, v = normal(2, 2, 32, 8), normal(2, 2, 32, 8), normal(2, 2, 32, 8)
     perm, unperm = (lambda x: x), (lambda x: x)
@@ -108,8 +124,8 @@ def m_ring_zigzag():
     _ring("zigzag")
 
 
-CHECKS = [m_shard_map_batch_heads, m_shard_map_heads_only_q_varies, m_ring_contiguous,
-          m_ring_zigzag]
+CHECKS = [m_shard_map_batch_heads, m_shard_map_heads_only_q_varies, m_sharded_jit_forward_mode,
+          m_ring_contiguous, m_ring_zigzag]
 
 
 def main():

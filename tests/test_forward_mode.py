@@ -5,8 +5,9 @@ with bias, sinks (as jax.nn sees them: one more key of logit `sink` and value 0)
 causal masks; first-order reverse mode still runs the fused backward kernel.
 
 Multi-device (a subprocess with 4 CPU devices, tests/forward_mode_checks.py): xla_chunked
-inside a fully manual shard_map (its scan once failed: "manual axis types do not match"),
-and ring attention over it, forward, gradients and forward mode.
+(and cpu) inside a fully manual shard_map (the chunked scan once failed: "manual axis types
+do not match"), ring attention over them, and forward mode and grad of grad under a
+batch-sharded jit.
 """
 
 import os
