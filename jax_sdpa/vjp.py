@@ -30,6 +30,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_sdpa import dispatch, primitives, reference
 from jax_sdpa.config import StaticParams
 
+
 def attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
     """(out, lse) through `sdpa_fwd_p`; differentiable in q, k, v, an additive mask and
     sinks (lse too: its tangent and cotangent are handled, the entry points stop it)."""
@@ -78,20 +79,25 @@ def _reference_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_leng
     return fn(q, k, v, out, lse, dout, *primitives._real(optional, flags), params)
 
 
-def _jvp_over(fn, primals, tangents, positions):
-    """jax.jvp of fn over the primals at `positions` whose tangent is not a symbolic zero
-    (the others are closed over). Returns (primal outputs, tangents) or None."""
-    live = [i for i in positions if not _is_zero(tangents[i])]
-    if not live:
-        return None
-
+def _restricted(fn, primals, positions):
+    """fn as a function of the primals at `positions` only (the others closed over)."""
     def restricted(*xs):
         args = list(primals)
-        for i, x in zip(live, xs):
+        for i, x in zip(positions, xs):
             args[i] = x
         return fn(*args)
 
-    return jax.jvp(restricted, [primals[i] for i in live], [tangents[i] for i in live])
+    return restricted
+
+
+def _jvp_over(fn, primals, tangents, positions):
+    """jax.jvp of fn over the primals at `positions` whose tangent is not a symbolic zero.
+    Returns (primal outputs, tangents) or None."""
+    live = [i for i in positions if not _is_zero(tangents[i])]
+    if not live:
+        return None
+    return jax.jvp(_restricted(fn, primals, live), [primals[i] for i in live],
+                   [tangents[i] for i in live])
 
 
 # Operand positions of sdpa_fwd_p (and the first seven of sdpa_fwd_tangent_p).
@@ -221,14 +227,8 @@ def _lse_cotangent_grads(operands, ct_lse, out, flags, params, wanted):
     fn = functools.partial(_reference_forward, q_lengths=q_lengths, kv_lengths=kv_lengths,
                            flags=flags, params=params)
     primals = [q, k, v, mask, sinks]
-
-    def restricted(*xs):
-        args = list(primals)
-        for i, x in zip(positions, xs):
-            args[i] = x
-        return fn(*args)
-
-    _, pullback = jax.vjp(restricted, *[primals[i] for i in positions])
+    _, pullback = jax.vjp(_restricted(fn, primals, positions),
+                          *[primals[i] for i in positions])
     cts = pullback((jnp.zeros(out.shape, out.dtype), ct_lse.astype(jnp.float32)))
     grads = [None] * 5
     for i, ct in zip(positions, cts):
