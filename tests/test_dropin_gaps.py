@@ -82,11 +82,16 @@ def test_complex_inputs_take_flax_path(dtype, rng):
         got = jax.jit(functools.partial(attention_fn, **kw))(q, k, v)
         assert got.dtype == want.dtype == dtype
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    # gradients too
+    # gradients too, where JAX differentiates Flax's own (jax 0.12's softmax refuses complex)
     loss = lambda f: (lambda q: jnp.sum(jnp.abs(f(q, k, v)) ** 2))  # noqa: E731
-    np.testing.assert_allclose(jax.grad(loss(attention_fn))(q),
-                               jax.grad(loss(flax.linen.dot_product_attention))(q),
-                               rtol=1e-4, atol=1e-5)
+    try:
+        want = jax.grad(loss(flax.linen.dot_product_attention))(q)
+    except TypeError:
+        with pytest.raises(TypeError):
+            jax.grad(loss(attention_fn))(q)
+    else:
+        np.testing.assert_allclose(jax.grad(loss(attention_fn))(q), want, rtol=1e-4,
+                                   atol=1e-5)
     # a named fused implementation says why it can't
     with pytest.raises(NotImplementedError, match="complex"):
         make_attention_fn(implementation="xla_chunked")(q, k, v)
