@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax_sdpa import oracle, vjp  # noqa: E402  (the float64 oracle + tolerance policy)
 from jax_sdpa.config import StaticParams  # noqa: E402
+from jax_sdpa.primitives import ffi_call_args  # noqa: E402
 from jax_sdpa.dispatch import cuda_decode_workspace_bytes_for  # noqa: E402
 
 TARGET = "jax_sdpa_cuda_fwd"
@@ -67,8 +68,6 @@ def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, w
     out_shape = q.shape[:-1] + (v.shape[-1],)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    zf = jnp.zeros((0,), jnp.float32)
-    zi = jnp.zeros((0,), jnp.int32)
     Hk, Lk, Dv = (k.shape[2], k.shape[1], v.shape[3]) if seq_major else \
         (k.shape[1], k.shape[2], v.shape[3])
     # The third result: the kernel's workspace (split-K partials + counters), sized as
@@ -79,16 +78,11 @@ def ours(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=None, w
         (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Lq), jnp.float32),
          jax.ShapeDtypeStruct((ws,), jnp.uint8)),
     )
-    out, lse, _ = call(q, k, v,
-                zf if mask is None else mask,
-                zf if sinks is None else sinks,
-                zi if qlen is None else qlen,
-                zi if kvlen is None else kvlen,
-                scale=float(scale), window_left=int(wl), window_right=int(wr),
-                bottom_right=bool(bottom_right), seq_major=bool(seq_major),
-                has_mask=mask is not None, has_sinks=sinks is not None,
-                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
-                fp32_precision=0)
+    operands, attrs = ffi_call_args(
+        scale=scale, window_left=wl, window_right=wr, bottom_right=bottom_right,
+        seq_major=seq_major, mask=mask, sinks=sinks, q_lengths=qlen, kv_lengths=kvlen,
+        fp32_precision=0)
+    out, lse, _ = call(q, k, v, *operands, **attrs)
     return out, lse
 
 

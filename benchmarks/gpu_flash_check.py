@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax_sdpa import oracle, vjp  # noqa: E402  (the float64 oracle + tolerance policy)
 from jax_sdpa.config import StaticParams  # noqa: E402
+from jax_sdpa.primitives import ffi_call_args  # noqa: E402
 
 FWD = "jax_sdpa_cuda_flash_fwd"
 BWD = "jax_sdpa_cuda_flash_bwd"
@@ -63,16 +64,13 @@ def flash_fwd(q, k, v, *, scale=None, mask=None, sinks=None, qlen=None, kvlen=No
     else:
         B, Hq, Lq, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    zf, zi = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call(FWD, (jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype),
                                   jax.ShapeDtypeStruct((B, Hq, Lq), jnp.float32)))
-    return call(q, k, v, zf if mask is None else mask, zf if sinks is None else sinks,
-                zi if qlen is None else qlen, zi if kvlen is None else kvlen,
-                scale=float(scale), window_left=int(wl), window_right=int(wr),
-                bottom_right=bool(bottom_right), seq_major=bool(seq_major),
-                has_mask=mask is not None, has_sinks=sinks is not None,
-                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
-                fp32_precision=1 if HIGHEST else 0)
+    operands, attrs = ffi_call_args(
+        scale=scale, window_left=wl, window_right=wr, bottom_right=bottom_right,
+        seq_major=seq_major, mask=mask, sinks=sinks, q_lengths=qlen, kv_lengths=kvlen,
+        fp32_precision=1 if HIGHEST else 0)
+    return call(q, k, v, *operands, **attrs)
 
 
 def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qlen=None,
@@ -80,16 +78,12 @@ def flash_bwd(q, k, v, out, lse, dout, *, scale=None, mask=None, sinks=None, qle
     """dq, dk, dv from our backward kernel (same layouts as flash_fwd)."""
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    zf, zi = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call(BWD, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
-    return call(q, k, v, out, lse, dout, zf if mask is None else mask,
-                zf if sinks is None else sinks, zi if qlen is None else qlen,
-                zi if kvlen is None else kvlen,
-                scale=float(scale), window_left=int(wl), window_right=int(wr),
-                bottom_right=bool(bottom_right), seq_major=bool(seq_major),
-                has_mask=mask is not None, has_sinks=sinks is not None,
-                has_q_lengths=qlen is not None, has_kv_lengths=kvlen is not None,
-                fp32_precision=1 if HIGHEST else 0)
+    operands, attrs = ffi_call_args(
+        scale=scale, window_left=wl, window_right=wr, bottom_right=bottom_right,
+        seq_major=seq_major, mask=mask, sinks=sinks, q_lengths=qlen, kv_lengths=kvlen,
+        fp32_precision=1 if HIGHEST else 0)
+    return call(q, k, v, out, lse, dout, *operands, **attrs)
 
 
 # ---------------------------------------------------------------------------

@@ -12,16 +12,23 @@
 namespace jax_sdpa {
 namespace {
 
+// The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
+// registration below declares them, the handlers refuse every other.
+constexpr uint32_t kServedFeatures = kNoFeatures;
+
 namespace ffi = xla::ffi;
 
 ffi::Error CpuFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
                   ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                  ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, SdpaAttrs a) {
   SdpaParams p;
   SdpaFwdBuffers buf;
-  if (auto e = unpack_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &buf);
-      e.failure())
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_forward(a, q, k, v, opt, *out, *lse, &p, &buf); e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cpu"); e.failure()) return e;
   poison_host_outputs({&*out, &*lse});
   if (const char* err = cpu::sdpa_forward(p, buf)) return ffi::Error::Internal(err);
   return ffi::Error::Success();
@@ -30,14 +37,17 @@ ffi::Error CpuFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
 ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                   ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
                   ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                  ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                   ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs a) {
   SdpaParams p;
   SdpaBwdBuffers buf;
-  if (auto e = unpack_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
-                               *dk, *dv, &p, &buf);
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_backward(a, q, k, v, out, lse, dout, opt, *dq, *dk, *dv, &p, &buf);
       e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cpu"); e.failure()) return e;
   poison_host_outputs({&*dq, &*dk, &*dv});
   if (const char* err = cpu::sdpa_backward(p, buf)) return ffi::Error::Internal(err);
   return ffi::Error::Success();
@@ -52,5 +62,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_fwd, jax_sdpa::CpuFwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_bwd, jax_sdpa::CpuBwd,
                               jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_fwd", jax_sdpa_cpu_fwd);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_bwd", jax_sdpa_cpu_bwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_fwd", jax_sdpa_cpu_fwd, jax_sdpa::kServedFeatures);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_bwd", jax_sdpa_cpu_bwd, jax_sdpa::kServedFeatures);

@@ -24,6 +24,10 @@
 namespace jax_sdpa {
 namespace {
 
+// The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
+// registration below declares them, the handlers refuse every other.
+constexpr uint32_t kServedFeatures = kNoFeatures;
+
 namespace ffi = xla::ffi;
 
 // bind_sdpa_fwd's binding (operands, out, lse, the contract's attributes) with the
@@ -36,15 +40,17 @@ auto bind_decode_fwd(Binding binding) {
 
 ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
-                       ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
                        SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers buf;
-  if (auto e = unpack_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
-                              &buf);
-      e.failure())
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &buf); e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cuda decode"); e.failure()) return e;
   if (auto e = refuse_or_poison("cuda decode", cuda_decode::unsupported_reason(p), stream,
                                 {&*out, &*lse});
       e.failure())
@@ -89,4 +95,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd,
+                             jax_sdpa::kServedFeatures);

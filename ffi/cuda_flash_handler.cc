@@ -23,6 +23,10 @@
 namespace jax_sdpa {
 namespace {
 
+// The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
+// registration below declares them, the handlers refuse every other.
+constexpr uint32_t kServedFeatures = kNoFeatures;
+
 namespace ffi = xla::ffi;
 
 // JAX_SDPA_CUDA_FP32 (benchmarks only): "tf32" or "highest" overrides the attribute.
@@ -47,14 +51,16 @@ cuda_flash::Fp32Mode fp32_mode(const SdpaAttrs& attrs) {
 ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                             ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                            ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                             SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers buf;
-  if (auto e = unpack_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
-                              &buf);
-      e.failure())
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &buf); e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cuda flash"); e.failure()) return e;
   if (auto e = refuse_or_poison("cuda flash", cuda_flash::unsupported_reason(p), stream,
                                 {&*out, &*lse});
       e.failure())
@@ -71,15 +77,18 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                             ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
                             ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
-                            ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                            ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> dq,
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers buf;
-  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
-                               kv_lengths, *dq, *dk, *dv, &p, &buf);
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, opt, *dq, *dk, *dv, &p, &buf);
       e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cuda flash"); e.failure()) return e;
   if (auto e = refuse_or_poison("cuda flash", cuda_flash::unsupported_reason(p), stream,
                                 {&*dq, &*dk, &*dv});
       e.failure())
@@ -105,7 +114,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_sdpa::bind_sdpa_fwd(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_fwd", jax_sdpa_cuda_flash_fwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_fwd", jax_sdpa_cuda_flash_fwd,
+                             jax_sdpa::kServedFeatures);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_sdpa_cuda_flash_bwd, jax_sdpa::CudaFlashBwdImpl,
@@ -113,4 +123,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                 .Ctx<xla::ffi::ScratchAllocator>()));
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_bwd", jax_sdpa_cuda_flash_bwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_bwd", jax_sdpa_cuda_flash_bwd,
+                             jax_sdpa::kServedFeatures);

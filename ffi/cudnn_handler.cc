@@ -13,6 +13,10 @@
 namespace jax_sdpa {
 namespace {
 
+// The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
+// registration below declares them, the handlers refuse every other.
+constexpr uint32_t kServedFeatures = kNoFeatures;
+
 namespace ffi = xla::ffi;
 
 class FfiScratch final : public cudnn::Scratch {
@@ -42,14 +46,16 @@ ffi::Error to_ffi(const cudnn::Status& st) {
 ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                     ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                     SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers b;
-  if (auto e = unpack_forward(attrs, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p,
-                              &b);
-      e.failure())
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &b); e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cudnn"); e.failure()) return e;
 
   if (auto e = poison_outputs("cudnn", stream, {&*out, &*lse}); e.failure()) return e;
 
@@ -61,14 +67,17 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                     ffi::AnyBuffer dout, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers b;
-  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, mask, sinks, q_lengths,
-                               kv_lengths, *dq, *dk, *dv, &p, &b);
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, opt, *dq, *dk, *dv, &p, &b);
       e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "cudnn"); e.failure()) return e;
 
   if (auto e = poison_outputs("cudnn", stream, {&*dq, &*dk, &*dv}); e.failure()) return e;
 
@@ -93,5 +102,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()));
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd", jax_sdpa_cudnn_fwd);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_bwd", jax_sdpa_cudnn_bwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd", jax_sdpa_cudnn_fwd, jax_sdpa::kServedFeatures);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_bwd", jax_sdpa_cudnn_bwd, jax_sdpa::kServedFeatures);

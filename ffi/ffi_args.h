@@ -33,6 +33,11 @@ struct SdpaAttrs {
   // Set from JAX's default matmul precision at trace time; only kernels that would
   // otherwise round fp32 operands (our CUDA flash kernels) look at it.
   int64_t fp32_precision = 0;
+  // Logit soft-capping (SdpaParams::logits_soft_cap); 0: off.
+  double logits_soft_cap = 0.0;
+  bool has_segment_ids = false;
+  // Paged targets: 0 = pages [P, Hk, S, D], 1 = [P, S, Hk, D]. 0 on every other target.
+  int64_t kv_layout = 0;
 };
 
 // Values of the fp32_precision attribute.
@@ -40,8 +45,8 @@ enum : int64_t { kFp32PrecisionDefault = 0, kFp32PrecisionHighest = 1 };
 
 }  // namespace jax_sdpa
 
-// The custom call's attribute dictionary decoded into SdpaAttrs by name (all ten, no
-// others): the handlers take one SdpaAttrs instead of ten parameters.
+// The custom call's attribute dictionary decoded into SdpaAttrs by name (all of them, no
+// others): the handlers take one SdpaAttrs instead of thirteen parameters.
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::SdpaAttrs,
                                       xla::ffi::StructMember<double>("scale"),
                                       xla::ffi::StructMember<int64_t>("window_left"),
@@ -52,7 +57,10 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::SdpaAttrs,
                                       xla::ffi::StructMember<bool>("has_sinks"),
                                       xla::ffi::StructMember<bool>("has_q_lengths"),
                                       xla::ffi::StructMember<bool>("has_kv_lengths"),
-                                      xla::ffi::StructMember<int64_t>("fp32_precision"));
+                                      xla::ffi::StructMember<int64_t>("fp32_precision"),
+                                      xla::ffi::StructMember<double>("logits_soft_cap"),
+                                      xla::ffi::StructMember<bool>("has_segment_ids"),
+                                      xla::ffi::StructMember<int64_t>("kv_layout"));
 
 namespace jax_sdpa {
 
@@ -75,6 +83,8 @@ auto bind_sdpa_fwd_buffers(Binding&& binding) {  // by reference: Binding can't 
       .template Arg<ffi::AnyBuffer>()   // sinks
       .template Arg<ffi::AnyBuffer>()   // q_lengths
       .template Arg<ffi::AnyBuffer>()   // kv_lengths
+      .template Arg<ffi::AnyBuffer>()   // q_segment_ids
+      .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
       .template Ret<ffi::AnyBuffer>()   // out
       .template Ret<ffi::AnyBuffer>();  // lse
 }
@@ -100,6 +110,8 @@ auto bind_sdpa_bwd(Binding binding) {
                              .template Arg<ffi::AnyBuffer>()   // sinks
                              .template Arg<ffi::AnyBuffer>()   // q_lengths
                              .template Arg<ffi::AnyBuffer>()   // kv_lengths
+                             .template Arg<ffi::AnyBuffer>()   // q_segment_ids
+                             .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
                              .template Ret<ffi::AnyBuffer>()   // dq
                              .template Ret<ffi::AnyBuffer>()   // dk
                              .template Ret<ffi::AnyBuffer>());  // dv
@@ -195,14 +207,26 @@ inline ffi::Error expect_same(const char* name, ffi::AnyBuffer::Dimensions got,
 
 }  // namespace detail
 
-// Decodes q, k, v, mask, sinks, q_lengths, kv_lengths and the attributes.
+// The optional operands of both directions, in the contract's order.
+struct OptionalOperands {
+  const ffi::AnyBuffer& mask;
+  const ffi::AnyBuffer& sinks;
+  const ffi::AnyBuffer& q_lengths;
+  const ffi::AnyBuffer& kv_lengths;
+  const ffi::AnyBuffer& q_segment_ids;
+  const ffi::AnyBuffer& kv_segment_ids;
+};
+
+// Decodes q, k, v, the optional operands and the attributes of a (non-paged) call.
 // Checks ranks, consistency, dtypes, broadcastability and sizes; never reads
 // buffer contents (lengths are clamped by the kernels via clamp_length).
 inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
                                 const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                const ffi::AnyBuffer& mask, const ffi::AnyBuffer& sinks,
-                                const ffi::AnyBuffer& q_lengths,
-                                const ffi::AnyBuffer& kv_lengths, SdpaParams* p) {
+                                const OptionalOperands& opt, SdpaParams* p) {
+  const ffi::AnyBuffer& mask = opt.mask;
+  const ffi::AnyBuffer& sinks = opt.sinks;
+  const ffi::AnyBuffer& q_lengths = opt.q_lengths;
+  const ffi::AnyBuffer& kv_lengths = opt.kv_lengths;
   using detail::invalid;
   detail::Bhld qs, ks, vs;
   if (auto e = detail::read_bhld("q", q.dimensions(), a.seq_major, &qs); e.failure()) return e;
@@ -318,6 +342,49 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   if (auto e = unpack_lengths("kv_lengths", a.has_kv_lengths, kv_lengths, &p->kv_lengths);
       e.failure())
     return e;
+
+  p->q_segment_ids = p->kv_segment_ids = nullptr;
+  if (a.has_segment_ids) {
+    auto unpack_ids = [&](const char* name, const ffi::AnyBuffer& buf, int64_t len,
+                          const int32_t** out) -> ffi::Error {
+      auto d = buf.dimensions();
+      if (buf.element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != p->batch ||
+          d[1] != len)
+        return invalid(std::string(name) + " must be int32 [B, " +
+                       (len == p->len_q ? "Lq" : "Lk") + "] = [" + std::to_string(p->batch) +
+                       ", " + std::to_string(len) + "], got " +
+                       detail::typed_dims_str(buf.element_type(), d));
+      *out = static_cast<const int32_t*>(buf.untyped_data());
+      return ffi::Error::Success();
+    };
+    if (auto e = unpack_ids("q_segment_ids", opt.q_segment_ids, p->len_q, &p->q_segment_ids);
+        e.failure())
+      return e;
+    if (auto e = unpack_ids("kv_segment_ids", opt.kv_segment_ids, p->len_kv,
+                            &p->kv_segment_ids);
+        e.failure())
+      return e;
+  }
+  if (!(a.logits_soft_cap >= 0) || !std::isfinite(a.logits_soft_cap))
+    return invalid("logits_soft_cap must be finite and >= 0 (0: off), got " +
+                   std::to_string(a.logits_soft_cap));
+  p->logits_soft_cap = a.logits_soft_cap;
+  if (a.kv_layout != 0)
+    return invalid("kv_layout must be 0 on a non-paged target, got " +
+                   std::to_string(a.kv_layout));
+  return ffi::Error::Success();
+}
+
+// A handler's kernels serve the base contract plus the Feature bits in `served` (the set it
+// registered with, ffi/registry.h): a call using any other is refused, naming it.
+inline ffi::Error refuse_unserved(const SdpaParams& p, uint32_t served, const char* target) {
+  uint32_t missing = p.features() & ~served;
+  for (uint32_t f = 1; missing != 0; f <<= 1) {
+    if (missing & f)
+      return detail::invalid(std::string(target) + " does not serve " + feature_name(f) +
+                             " (this build's kernels)");
+    missing &= ~f;
+  }
   return ffi::Error::Success();
 }
 
@@ -349,11 +416,9 @@ inline ffi::Error check_lse(ffi::AnyBuffer::Dimensions d, ffi::DataType t, const
 // (unpack_inputs), out and lse against them, and the buffers' addresses.
 inline ffi::Error unpack_forward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
                                  const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                 const ffi::AnyBuffer& mask, const ffi::AnyBuffer& sinks,
-                                 const ffi::AnyBuffer& q_lengths, const ffi::AnyBuffer& kv_lengths,
-                                 const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
-                                 SdpaParams* p, SdpaFwdBuffers* buf) {
-  if (auto e = unpack_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, p); e.failure())
+                                 const OptionalOperands& opt, const ffi::AnyBuffer& out,
+                                 const ffi::AnyBuffer& lse, SdpaParams* p, SdpaFwdBuffers* buf) {
+  if (auto e = unpack_inputs(a, q, k, v, opt, p); e.failure())
     return e;
   if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p->head_dim_v);
       e.failure())
@@ -371,12 +436,10 @@ inline ffi::Error unpack_forward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
 inline ffi::Error unpack_backward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
                                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                   const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
-                                  const ffi::AnyBuffer& dout, const ffi::AnyBuffer& mask,
-                                  const ffi::AnyBuffer& sinks, const ffi::AnyBuffer& q_lengths,
-                                  const ffi::AnyBuffer& kv_lengths, const ffi::AnyBuffer& dq,
-                                  const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv,
-                                  SdpaParams* p, SdpaBwdBuffers* buf) {
-  if (auto e = unpack_inputs(a, q, k, v, mask, sinks, q_lengths, kv_lengths, p); e.failure())
+                                  const ffi::AnyBuffer& dout, const OptionalOperands& opt,
+                                  const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
+                                  const ffi::AnyBuffer& dv, SdpaParams* p, SdpaBwdBuffers* buf) {
+  if (auto e = unpack_inputs(a, q, k, v, opt, p); e.failure())
     return e;
   struct Like {
     const char* name;

@@ -19,6 +19,10 @@ namespace nb = nanobind;
 namespace jax_sdpa {
 namespace {
 
+// The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
+// registration below declares them, the handlers refuse every other.
+constexpr uint32_t kServedFeatures = kNoFeatures;
+
 ffi::Error run_plan(const metal::Plan& plan) {
   metal::Runner* r = metal::runner();
   if (r == nullptr)
@@ -35,13 +39,16 @@ ffi::Error unsupported(const std::string& why) {
 
 ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
                     ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                     SdpaAttrs a) {
   SdpaParams p;
   SdpaFwdBuffers io;
-  if (auto e = unpack_forward(a, q, k, v, mask, sinks, q_lengths, kv_lengths, *out, *lse, &p, &io);
-      e.failure())
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_forward(a, q, k, v, opt, *out, *lse, &p, &io); e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "metal"); e.failure()) return e;
   metal::Plan plan;
   if (std::string why = metal::plan_forward(p, io, &plan); !why.empty()) return unsupported(why);
   poison_host_outputs({&*out, &*lse});
@@ -51,14 +58,17 @@ ffi::Error MetalFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
 ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
                     ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs a) {
   SdpaParams p;
   SdpaBwdBuffers io;
-  if (auto e = unpack_backward(a, q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *dq,
-                               *dk, *dv, &p, &io);
+  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                            kv_segment_ids};
+  if (auto e = unpack_backward(a, q, k, v, out, lse, dout, opt, *dq, *dk, *dv, &p, &io);
       e.failure())
     return e;
+  if (auto e = refuse_unserved(p, kServedFeatures, "metal"); e.failure()) return e;
   metal::Plan plan;
   if (std::string why = metal::plan_backward(p, io, &plan); !why.empty()) return unsupported(why);
   poison_host_outputs({&*dq, &*dk, &*dv});
@@ -74,8 +84,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_fwd, jax_sdpa::MetalFwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_bwd, jax_sdpa::MetalBwd,
                               jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_fwd", jax_sdpa_metal_fwd);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_bwd", jax_sdpa_metal_bwd);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_fwd", jax_sdpa_metal_fwd, jax_sdpa::kServedFeatures);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_bwd", jax_sdpa_metal_bwd, jax_sdpa::kServedFeatures);
 
 NB_MODULE(_sdpa_metal, m) {
   m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";

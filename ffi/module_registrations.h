@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 
 #include "ffi/registry.h"
+#include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
 
@@ -17,6 +18,19 @@ inline void def_registrations(nanobind::module_& m) {
         return d;
       },
       "{FFI target name: capsule} for jax.ffi.register_ffi_target.");
+  m.def(
+      "served_features",
+      []() {
+        nanobind::dict d;
+        for (const FfiTarget& t : ffi_targets()) {
+          nanobind::list names;
+          for (uint32_t f = 1; f <= kAllFeatures; f <<= 1)
+            if (t.features & f) names.append(feature_name(f));
+          d[t.name.c_str()] = names;
+        }
+        return d;
+      },
+      "{FFI target name: [contract features its kernels serve]} (ffi/sdpa_params.h Feature).");
 }
 
 }  // namespace jax_sdpa

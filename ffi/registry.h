@@ -1,9 +1,12 @@
 // The FFI targets a native module exposes. Every handler source registers its handlers at
-// namespace scope with JAX_SDPA_REGISTER_FFI_TARGET(name, symbol); the module's
-// `registrations()` (ffi/module_registrations.h) hands them all to jax_sdpa/_ext.py. So
+// namespace scope with JAX_SDPA_REGISTER_FFI_TARGET(name, symbol, features), `features`
+// being the Feature bits (ffi/sdpa_params.h) its kernels serve -- the same constant its
+// handler passes to refuse_unserved. The module's `registrations()` and
+// `served_features()` (ffi/module_registrations.h) hand them to jax_sdpa/_ext.py. So
 // adding a handler means adding its source to its module's sources, nothing else.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -12,6 +15,7 @@ namespace jax_sdpa {
 struct FfiTarget {
   std::string name;  // the XLA custom-call target, e.g. "jax_sdpa_cudnn_fwd"
   void* handler;     // the XLA_FFI_Handler* defined by XLA_FFI_DEFINE_HANDLER_SYMBOL
+  uint32_t features;  // Feature bits its kernels serve
 };
 
 // Function-local static: safe to use from other translation units' static
@@ -22,14 +26,16 @@ inline std::vector<FfiTarget>& ffi_targets() {
 }
 
 struct FfiTargetRegistrar {
-  FfiTargetRegistrar(const char* name, void* handler) { ffi_targets().push_back({name, handler}); }
+  FfiTargetRegistrar(const char* name, void* handler, uint32_t features) {
+    ffi_targets().push_back({name, handler, features});
+  }
 };
 
 }  // namespace jax_sdpa
 
 #define JAX_SDPA_CONCAT_INNER(a, b) a##b
 #define JAX_SDPA_CONCAT(a, b) JAX_SDPA_CONCAT_INNER(a, b)
-#define JAX_SDPA_REGISTER_FFI_TARGET(name, symbol)                                \
+#define JAX_SDPA_REGISTER_FFI_TARGET(name, symbol, features)                      \
   static ::jax_sdpa::FfiTargetRegistrar JAX_SDPA_CONCAT(jax_sdpa_registrar_,      \
                                                         __COUNTER__)(             \
-      name, reinterpret_cast<void*>(symbol))
+      name, reinterpret_cast<void*>(symbol), features)

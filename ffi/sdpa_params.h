@@ -7,6 +7,7 @@
 // C++/CUDA kernel so that they cannot disagree.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -19,6 +20,25 @@ namespace jax_sdpa {
 
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
+
+// Contract features beyond the base call. Every FFI target declares the set its kernels
+// serve when it registers (ffi/registry.h); its handler refuses a call that uses any other
+// (refuse_unserved in ffi/ffi_args.h) and jax_sdpa/dispatch.py reads the same set through
+// the module's `served_features()`, so the three can never disagree.
+enum Feature : uint32_t {
+  kFeatureSegmentIds = 1u << 0,    // q_segment_ids / kv_segment_ids (packed sequences)
+  kFeatureLogitsSoftCap = 1u << 1,  // logits_soft_cap > 0
+};
+constexpr uint32_t kNoFeatures = 0;
+constexpr uint32_t kAllFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
+
+inline const char* feature_name(uint32_t feature) {
+  switch (feature) {
+    case kFeatureSegmentIds: return "segment_ids";
+    case kFeatureLogitsSoftCap: return "logits_soft_cap";
+  }
+  return "?";
+}
 
 inline const char* dtype_name(DType t) {
   switch (t) {
@@ -67,7 +87,32 @@ struct SdpaParams {
   const int32_t* q_lengths = nullptr;   // [B] or nullptr
   const int32_t* kv_lengths = nullptr;  // [B] or nullptr
 
+  // Packed sequences: query i of row b sees key j only where
+  // q_segment_ids[b * len_q + i] == kv_segment_ids[b * len_kv + j] (same_segment).
+  // Both null, or both set.
+  const int32_t* q_segment_ids = nullptr;   // [B, Lq] or nullptr
+  const int32_t* kv_segment_ids = nullptr;  // [B, Lk] or nullptr
+
+  // Logit soft-capping, before the additive mask: s = cap * tanh(scale * q.k / cap)
+  // (soft_cap_logit). 0: off.
+  double logits_soft_cap = 0.0;
+
+  // Paged K/V (the paged targets only; page_indices is null otherwise). Key j of row b is
+  // slot j % page_size of physical page page_indices[b * pages_per_seq + j / page_size];
+  // k_stride / v_stride are then (page, head, slot) strides and len_kv is
+  // pages_per_seq * page_size (paged_key_row).
+  const int32_t* page_indices = nullptr;  // [B, pages_per_seq]
+  int64_t pages_per_seq = 0;
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+
   int64_t group() const { return heads_q / heads_kv; }
+  bool paged() const { return page_indices != nullptr; }
+  // The features this call uses (Feature bits).
+  uint32_t features() const {
+    return (q_segment_ids != nullptr ? kFeatureSegmentIds : 0u) |
+           (logits_soft_cap > 0 ? kFeatureLogitsSoftCap : 0u);
+  }
 };
 
 struct SdpaFwdBuffers {
@@ -119,6 +164,31 @@ JAX_SDPA_HD KeyRange band_keys(int64_t i, int64_t offset, int64_t window_left,
   if (last > kv_len) last = kv_len;
   if (last < first) last = first;
   return {first, last};
+}
+
+// Packed sequences: may query i of row b see key j? (true when there are no segment ids)
+JAX_SDPA_HD bool same_segment(const int32_t* q_segment_ids, const int32_t* kv_segment_ids,
+                              int64_t b, int64_t len_q, int64_t len_kv, int64_t i, int64_t j) {
+  return q_segment_ids == nullptr ||
+         q_segment_ids[b * len_q + i] == kv_segment_ids[b * len_kv + j];
+}
+
+// Logit soft-capping: cap * tanh(x / cap) of the scaled logit x (cap > 0).
+JAX_SDPA_HD float soft_cap_logit(float x, float cap) { return cap * tanhf(x / cap); }
+
+// Paged K/V: where key j of batch row b lives, {physical page, slot in it}; page = -1 when
+// the page index is outside [0, num_pages): such a page's keys are invisible, never read.
+// Its element offset is page * stride[0] + head * stride[1] + slot * stride[2].
+struct PagedRow {
+  int64_t page;
+  int64_t slot;
+};
+JAX_SDPA_HD PagedRow paged_key_row(const int32_t* page_indices, int64_t pages_per_seq,
+                                   int64_t page_size, int64_t num_pages, int64_t b,
+                                   int64_t j) {
+  int64_t page = page_indices[b * pages_per_seq + j / page_size];
+  if (page < 0 || page >= num_pages) page = -1;
+  return {page, j % page_size};
 }
 
 }  // namespace jax_sdpa

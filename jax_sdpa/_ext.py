@@ -1,7 +1,9 @@
 """Loads the compiled backend modules and registers their FFI targets with XLA.
 
 Each module (`_sdpa_cpu`, `_sdpa_cuda`, `_sdpa_metal`) exposes `registrations()`,
-a dict {target name: capsule}; targets are named `jax_sdpa_<implementation>_<fwd|bwd>`.
+a dict {target name: capsule}, and `served_features()`, {target name: [contract features
+its kernels serve]} (ffi/registry.h); targets are named
+`jax_sdpa_<implementation>_<fwd|bwd>`.
 Registration is deferred by JAX until the platform's plugin loads, so importing
 this on a machine without a GPU is fine. A module that is missing or fails to
 load only makes its implementations unavailable (dispatch says why).
@@ -20,6 +22,7 @@ from jax_sdpa import build_info
 _MODULES = {"_sdpa_cpu": "cpu", "_sdpa_metal": "cpu", "_sdpa_cuda": "CUDA"}
 
 _targets: dict[str, str] = {}  # target name -> module
+_features: dict[str, frozenset] = {}  # target name -> features its kernels serve
 _modules: dict[str, object] = {}
 _load_errors: dict[str, str] = {}
 _loaded = False
@@ -37,14 +40,23 @@ def _load():
             _load_errors[module_name] = str(e)
             continue
         _modules[module_name] = module
+        served = module.served_features()
         for target, capsule in module.registrations().items():
             jax.ffi.register_ffi_target(target, capsule, platform=platform)
             _targets[target] = module_name
+            _features[target] = frozenset(served[target])
 
 
 def has_backend(implementation: str) -> bool:
     _load()
     return f"jax_sdpa_{implementation}_fwd" in _targets
+
+
+def served_features(target: str) -> frozenset:
+    """The contract features ("segment_ids", "logits_soft_cap") FFI target `target`'s
+    kernels serve, as its handler registered them (empty for an unknown target)."""
+    _load()
+    return _features.get(target, frozenset())
 
 
 def ffi_targets() -> list:

@@ -64,6 +64,8 @@ class StaticParams:
     # FP32_PRECISION_DEFAULT (TF32 allowed for fp32 inputs) or FP32_PRECISION_HIGHEST;
     # unless given, JAX's default matmul precision when the params are made (trace time).
     fp32_precision: int = dataclasses.field(default_factory=current_fp32_precision)
+    # Logit soft-capping: logits = cap * tanh(scale * q.k / cap) before masks; 0.0 = off.
+    logits_soft_cap: float = 0.0
 
     @property
     def causal(self) -> bool:
@@ -90,6 +92,18 @@ class Config:
     has_kv_lengths: bool
     params: StaticParams
     sinks_batch: int = 1  # sinks are [sinks_batch, Hq]: 1 (shared) or B (per batch row)
+    has_segment_ids: bool = False  # q_segment_ids / kv_segment_ids (packed sequences)
+
+    @property
+    def features(self) -> frozenset:
+        """The contract features beyond the base call that this call uses (the names the
+        native modules' `served_features()` use)."""
+        used = set()
+        if self.has_segment_ids:
+            used.add("segment_ids")
+        if self.params.logits_soft_cap > 0:
+            used.add("logits_soft_cap")
+        return frozenset(used)
 
     @property
     def group(self) -> int:
@@ -112,7 +126,8 @@ class Config:
     @staticmethod
     def from_shapes(q_shape, k_shape, v_shape, dtype, mask_shape, mask_dtype,
                     has_sinks, has_q_lengths, has_kv_lengths,
-                    params: StaticParams, sinks_batch: int = 1) -> "Config":
+                    params: StaticParams, sinks_batch: int = 1,
+                    has_segment_ids: bool = False) -> "Config":
         axes = (0, 2, 1, 3) if params.seq_major else (0, 1, 2, 3)  # b, h, l, d
         b, hq, lq, d = (_concrete(q_shape[a], f"q.shape[{a}] ({what})")
                         for a, what in zip(axes, ("batch", "query heads", "query length",
@@ -132,7 +147,8 @@ class Config:
             mask_shape=tuple(mask_shape) if mask_shape is not None else (),
             mask_dtype=mdtype, has_sinks=bool(has_sinks),
             has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
-            params=params)
+            params=params, sinks_batch=int(sinks_batch),
+            has_segment_ids=bool(has_segment_ids))
 
 
 def _concrete(dim, what: str) -> int:

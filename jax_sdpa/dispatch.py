@@ -57,6 +57,20 @@ def _backend_missing(backend: str) -> str:
     return _ext.unavailable_reason(backend) or "its FFI targets are not registered"
 
 
+_FEATURE_TEXT = {"segment_ids": "segment ids (packed sequences)",
+                 "logits_soft_cap": "logits_soft_cap"}
+
+
+def _unserved_features(cfg: Config, target: str, label: str) -> Optional[Verdict]:
+    """A refusal naming the contract features the call uses that FFI target `target`'s
+    kernels don't serve (the set its handler registered, ffi/registry.h); None if none."""
+    missing = sorted(cfg.features - _ext.served_features(target))
+    if missing:
+        return _no(f"{label} ({target}) does not serve "
+                   + " or ".join(_FEATURE_TEXT[m] for m in missing))
+    return None
+
+
 def _common_fused_checks(cfg: Config):
     if cfg.dtype not in _FLOAT_DTYPES:
         return _no(f"dtype {cfg.dtype} is not float32, float16 or bfloat16")
@@ -82,6 +96,8 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
         return r
     if max(cfg.head_dim, cfg.head_dim_v) > 512:
         return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
+    if (r := _unserved_features(cfg, f"jax_sdpa_cpu_{direction}", "the CPU kernel")):
+        return r
     return _ok("native flash-attention kernel: faster than xla on every CPU shape measured "
                "(benchmarks/results/cpu_2core/), O(L) memory")
 
@@ -106,6 +122,8 @@ def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
         return _no(f"head dims must be multiples of 8 for the Metal kernels (D={d}, Dv={dv})")
     if max(cfg.len_q, cfg.len_kv) >= 1 << 30:
         return _no("sequence length >= 2**30")
+    if (r := _unserved_features(cfg, f"jax_sdpa_metal_{direction}", "the Metal kernels")):
+        return r
     if sys.platform != "darwin":
         return _ok("serves this call on the CPU emulator of the Metal kernels (a test tool: "
                    "used only when named)")
@@ -208,6 +226,8 @@ def _supports_cudnn(call: "_Call") -> Verdict:
                    "(Lq != Lk or lengths) with a mask or bias")
     if direction == "bwd" and cfg.len_q == 1 and cfg.len_kv == 1:
         return _no("cuDNN's backward has no kernel for Lq = Lk = 1")
+    if (r := _unserved_features(cfg, f"jax_sdpa_cudnn_{direction}", "our cuDNN graphs")):
+        return r
     what = "fused flash attention"
     if cfg.mask_kind == MASK_BOOL:
         what += " (the bool mask becomes an additive -inf bias)"
@@ -261,6 +281,8 @@ def _decode_verdict(call: "_Call") -> Verdict:
                    f"(Lq = {cfg.len_q}, {cfg.group} query heads per kv head)")
     if (r := _native_refusal(cfg, "decode", "the decode kernel")) is not None:
         return r
+    if (r := _unserved_features(cfg, CUDA_DECODE_TARGET, "the decode kernel")):
+        return r
     kernel = _native().decode_default_kernel(*_shape_args(cfg))
     return _ok(f"our decode kernel (split-K over the kv cache; "
                f"{_DECODE_KERNEL_TEXT.get(kernel, kernel)})")
@@ -302,6 +324,9 @@ def _flash_verdict(call: "_Call") -> Verdict:
     if (r := _common_fused_checks(cfg)) is not None:
         return r
     if (r := _native_refusal(cfg, "flash", "the flash kernels")) is not None:
+        return r
+    if (r := _unserved_features(cfg, _cuda_target("flash", call.direction),
+                                "the flash kernels")):
         return r
     if cfg.dtype == np.dtype(np.float32):
         precision = ("3xTF32, ~fp32 accurate (matmul precision 'highest')"

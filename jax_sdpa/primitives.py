@@ -1,7 +1,9 @@
 """The two primitives every implementation lowers:
 
-    sdpa_fwd_p(q, k, v, mask, sinks, q_lengths, kv_lengths) -> (out, lse)
-    sdpa_bwd_p(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths) -> (dq, dk, dv)
+    sdpa_fwd_p(q, k, v, *optional) -> (out, lse)
+    sdpa_bwd_p(q, k, v, out, lse, dout, *optional) -> (dq, dk, dv)
+
+with optional = (mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids).
 
 Operands and semantics are those of docs/ffi_contract.md; absent optional
 operands are zero-sized placeholders plus a `has_*` flag. Each primitive has an
@@ -34,7 +36,12 @@ sdpa_fwd_p.multiple_results = True
 sdpa_bwd_p = Primitive("jax_sdpa_bwd")
 sdpa_bwd_p.multiple_results = True
 
-_OPTIONAL = ("mask", "sinks", "q_lengths", "kv_lengths")
+# The optional operands, in the contract's order, and the flag that says each is present
+# (the two segment-id operands share one flag: both or neither).
+OPTIONAL = ("mask", "sinks", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
+OPTIONAL_FLAGS = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths",
+                  "has_segment_ids", "has_segment_ids")
+FLAGS = tuple(dict.fromkeys(OPTIONAL_FLAGS))
 
 
 # --------------------------------------------------------------------------
@@ -44,15 +51,17 @@ def _placeholder(dtype):
     return jnp.zeros((0,), dtype)
 
 
-def _optional_operands(mask, sinks, q_lengths, kv_lengths):
-    flags = dict(has_mask=mask is not None, has_sinks=sinks is not None,
-                 has_q_lengths=q_lengths is not None, has_kv_lengths=kv_lengths is not None)
-    operands = (
-        _placeholder(jnp.float32) if mask is None else mask,
-        _placeholder(jnp.float32) if sinks is None else sinks,
-        _placeholder(jnp.int32) if q_lengths is None else q_lengths,
-        _placeholder(jnp.int32) if kv_lengths is None else kv_lengths,
-    )
+def _optional_operands(mask, sinks, q_lengths, kv_lengths, q_segment_ids=None,
+                       kv_segment_ids=None):
+    """The optional operands (placeholders for absent ones) and their has_* flags."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids are given together or not at all")
+    given = (mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+    placeholder_dtypes = (jnp.float32, jnp.float32, jnp.int32, jnp.int32, jnp.int32,
+                          jnp.int32)
+    operands = tuple(_placeholder(t) if x is None else x
+                     for x, t in zip(given, placeholder_dtypes))
+    flags = {flag: x is not None for x, flag in zip(given, OPTIONAL_FLAGS)}
     return operands, flags
 
 
@@ -60,31 +69,50 @@ def _static_kwargs(params: StaticParams):
     return dataclasses.asdict(params)
 
 
-def fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
-    """Binds sdpa_fwd_p. mask/sinks/lengths may be None. Returns (out, lse)."""
-    optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths)
+def fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
+        q_segment_ids=None, kv_segment_ids=None):
+    """Binds sdpa_fwd_p. The optional operands may be None. Returns (out, lse)."""
+    optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                                         kv_segment_ids)
     out, lse = sdpa_fwd_p.bind(q, k, v, *optional, **flags, **_static_kwargs(params))
     return out, lse
 
 
-def bwd(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
+def bwd(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
+        q_segment_ids=None, kv_segment_ids=None):
     """Binds sdpa_bwd_p. Returns (dq, dk, dv)."""
-    optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths)
+    optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                                         kv_segment_ids)
     return tuple(sdpa_bwd_p.bind(q, k, v, out, lse, dout, *optional, **flags,
                                  **_static_kwargs(params)))
 
 
+def ffi_call_args(*, scale, window_left=-1, window_right=-1, bottom_right=False,
+                  seq_major=False, mask=None, sinks=None, q_lengths=None, kv_lengths=None,
+                  q_segment_ids=None, kv_segment_ids=None, fp32_precision=0,
+                  logits_soft_cap=0.0):
+    """(optional operands, attributes) of a direct `jax.ffi.ffi_call` of a contract target
+    (docs/ffi_contract.md): call(q, k, v[, out, lse, dout], *operands, **attrs). For tests
+    and benchmarks that call a handler without the primitives; the lowering uses the same
+    two pieces."""
+    operands, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                                         kv_segment_ids)
+    params = StaticParams(scale=float(scale), window_left=int(window_left),
+                          window_right=int(window_right), bottom_right=bool(bottom_right),
+                          seq_major=bool(seq_major), fp32_precision=int(fp32_precision),
+                          logits_soft_cap=float(logits_soft_cap))
+    return operands, _ffi_attrs(params, flags)
+
+
 def _split_kwargs(kw):
-    flags = {name: kw[name] for name in
-             ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")}
+    flags = {name: kw[name] for name in FLAGS}
     params = StaticParams(**{f.name: kw[f.name] for f in dataclasses.fields(StaticParams)})
     return flags, params
 
 
 def _real(optional, flags):
     """Placeholders -> None."""
-    keys = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")
-    return tuple(x if flags[key] else None for x, key in zip(optional, keys))
+    return tuple(x if flags[key] else None for x, key in zip(optional, OPTIONAL_FLAGS))
 
 
 # --------------------------------------------------------------------------
@@ -126,15 +154,14 @@ sdpa_bwd_p.def_abstract_eval(_bwd_abstract)
 # --------------------------------------------------------------------------
 # reference implementation (eager evaluation and the default lowering)
 
-def _reference_fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, *, params, chunked):
+def _reference_fwd(q, k, v, *optional, params, chunked):
     fn = reference.chunked_forward if chunked else reference.forward
-    return fn(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+    return fn(q, k, v, *optional, params)
 
 
-def _reference_bwd(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *, params,
-                   chunked):
+def _reference_bwd(q, k, v, out, lse, dout, *optional, params, chunked):
     fn = reference.chunked_backward if chunked else reference.backward
-    return fn(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, params)
+    return fn(q, k, v, out, lse, dout, *optional, params)
 
 
 def _fwd_impl(q, k, v, *optional, **kw):
@@ -174,7 +201,8 @@ def _config_from_avals(avals, flags, params) -> Config:
         mask.shape if flags["has_mask"] else None,
         mask.dtype if flags["has_mask"] else None,
         flags["has_sinks"], flags["has_q_lengths"], flags["has_kv_lengths"], params,
-        sinks_batch=sinks.shape[0] if flags["has_sinks"] else 1)
+        sinks_batch=sinks.shape[0] if flags["has_sinks"] else 1,
+        has_segment_ids=flags["has_segment_ids"])
 
 
 def _ffi_attrs(params: StaticParams, flags):
@@ -182,7 +210,8 @@ def _ffi_attrs(params: StaticParams, flags):
     return dict(scale=float(params.scale), window_left=int(params.window_left),
                 window_right=int(params.window_right), bottom_right=bool(params.bottom_right),
                 seq_major=bool(params.seq_major), **{k: bool(v) for k, v in flags.items()},
-                fp32_precision=np.int64(params.fp32_precision))
+                fp32_precision=np.int64(params.fp32_precision),
+                logits_soft_cap=float(params.logits_soft_cap), kv_layout=np.int64(0))
 
 
 def _lower(direction, platform):
@@ -273,8 +302,7 @@ def _batch_rule(prim, n_fixed):
         batch = q.shape[0] if qd is None else np.delete(np.array(q.shape), qd)[0]
         batch = int(batch)
         new_args = [_fold(a, d, size, batch) for a, d in zip(args[:n_fixed], dims[:n_fixed])]
-        keys = ("has_mask", "has_sinks", "has_q_lengths", "has_kv_lengths")
-        for a, d, key in zip(args[n_fixed:], dims[n_fixed:], keys):
+        for a, d, key in zip(args[n_fixed:], dims[n_fixed:], OPTIONAL_FLAGS):
             if not flags[key]:
                 new_args.append(a)  # placeholder: never batched (made inside our code)
                 assert d is None

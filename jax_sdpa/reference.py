@@ -169,9 +169,19 @@ def _live(lse):
     return lse != NEG_INF
 
 
-def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
-            precision=None):
+def _not_yet(q_segment_ids, kv_segment_ids, params):
+    """Segment ids and soft-capping are contract operands whose reference semantics are not
+    written yet: refuse them rather than ignore them."""
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        raise NotImplementedError("jax_sdpa.reference: segment ids are not implemented")
+    if params.logits_soft_cap:
+        raise NotImplementedError("jax_sdpa.reference: logits_soft_cap is not implemented")
+
+
+def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+            params: StaticParams, precision=None):
     """Exact attention. Returns (out, lse)."""
+    _not_yet(q_segment_ids, kv_segment_ids, params)
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
     b, hq, lq, _ = q.shape
     hk = k.shape[1]
@@ -208,9 +218,10 @@ def _pv_dtype(v_dtype, acc):
     return jnp.promote_types(v_dtype, acc)
 
 
-def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
-             params: StaticParams, precision=None):
+def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+             kv_segment_ids, params: StaticParams, precision=None):
     """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward)."""
+    _not_yet(q_segment_ids, kv_segment_ids, params)
     del sinks  # enters only through lse
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     hk = k.shape[1]
@@ -270,10 +281,11 @@ def _grads_from_dscores(q, k, dout, p, ds, params, precision, acc):
             dv.astype(dout.dtype))
 
 
-def dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params: StaticParams,
-            precision=None):
+def dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, q_segment_ids,
+            kv_segment_ids, params: StaticParams, precision=None):
     """dL/d(score) [B, Hq, Lq, Lk] in float32: the gradient of an additive mask/bias
     before it is summed over the mask's broadcast dimensions."""
+    _not_yet(q_segment_ids, kv_segment_ids, params)
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     acc = _acc_dtype(q.dtype)
     _, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
@@ -354,8 +366,10 @@ def _carry_zero(acc, *operands):
     return zero
 
 
-def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
-                    precision=None, block: Optional[int] = None):
+def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                    kv_segment_ids, params: StaticParams, precision=None,
+                    block: Optional[int] = None):
+    _not_yet(q_segment_ids, kv_segment_ids, params)
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
     b, hq, lq, _ = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -405,7 +419,9 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticP
 
 
 def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
-                     params: StaticParams, precision=None, block: Optional[int] = None):
+                     q_segment_ids, kv_segment_ids, params: StaticParams, precision=None,
+                     block: Optional[int] = None):
+    _not_yet(q_segment_ids, kv_segment_ids, params)
     del sinks
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     b, hq, lq, d = q.shape

@@ -195,7 +195,7 @@ def _specs(layout: _Layout, plan: _Plan):
     specs = [q_spec, kv_spec, kv_spec]
     if layout.direction == "bwd":
         specs += [q_spec, lse_spec, q_spec]
-    mask_s, sinks_s, ql_s, kvl_s = layout.shapes[layout.n_fixed:]
+    mask_s, sinks_s, ql_s, kvl_s, qseg_s, kvseg_s = layout.shapes[layout.n_fixed:]
     specs.append(P(None) if len(mask_s) != 4 else
                  P(b if mask_s[0] == layout.batch else None,
                    h if mask_s[1] == layout.heads_q else None, None, None))
@@ -203,6 +203,8 @@ def _specs(layout: _Layout, plan: _Plan):
                  P(b if sinks_s[0] == layout.batch else None, h))
     for s in (ql_s, kvl_s):
         specs.append(P(b) if s[0] == layout.batch and s[0] > 0 else P(None))
+    for s in (qseg_s, kvseg_s):  # [B, L] (the sequence stays whole on each shard)
+        specs.append(P(b, None) if len(s) == 2 else P(None))
     results = [q_spec, lse_spec] if layout.direction == "fwd" else [q_spec, kv_spec, kv_spec]
     return specs, results
 
@@ -229,7 +231,7 @@ def _sharding_rule(layout: _Layout):
     operands = [q, k, v]
     if layout.direction == "bwd":
         operands += [out, lse, out]
-    mask_s, sinks_s, ql_s, kvl_s = layout.shapes[layout.n_fixed:]
+    mask_s, sinks_s, ql_s, kvl_s, qseg_s, kvseg_s = layout.shapes[layout.n_fixed:]
     full = {0: layout.batch, 1: hq, 2: layout.shapes[0][1 if layout.seq_major else 2],
             3: layout.shapes[1][1 if layout.seq_major else 2]}
     if len(mask_s) == 4:
@@ -244,6 +246,8 @@ def _sharding_rule(layout: _Layout):
         operands.append("zsinks")
     operands.append("b" if ql_s[0] == layout.batch and ql_s[0] > 0 else "zql")
     operands.append("b" if kvl_s[0] == layout.batch and kvl_s[0] > 0 else "zkvl")
+    operands.append("b t" if len(qseg_s) == 2 else "zqseg")
+    operands.append("b s" if len(kvseg_s) == 2 else "zkvseg")
     results = [out, lse] if layout.direction == "fwd" else [q, k, v]
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     factors = {"g": hq // hk} if qh == "(k g)" else {}

@@ -63,17 +63,14 @@ def _chunked(optional, flags, params, q, k, v) -> bool:
     return name == "xla_chunked"
 
 
-def _reference_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, *, flags, params):
+def _reference_forward(q, k, v, *optional, flags, params):
     """The reference (out, lse) of a call's primitive operands (placeholders included)."""
-    optional = (mask, sinks, q_lengths, kv_lengths)
     fn = (reference.chunked_forward if _chunked(optional, flags, params, q, k, v)
           else reference.forward)
     return fn(q, k, v, *primitives._real(optional, flags), params)
 
 
-def _reference_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, *, flags,
-                        params):
-    optional = (mask, sinks, q_lengths, kv_lengths)
+def _reference_backward(q, k, v, out, lse, dout, *optional, flags, params):
     fn = (reference.chunked_backward if _chunked(optional, flags, params, q, k, v)
           else reference.backward)
     return fn(q, k, v, out, lse, dout, *primitives._real(optional, flags), params)
@@ -100,8 +97,9 @@ def _jvp_over(fn, primals, tangents, positions):
                    [tangents[i] for i in live])
 
 
-# Operand positions of sdpa_fwd_p (and the first seven of sdpa_fwd_tangent_p).
+# Operand positions of sdpa_fwd_p (and the first nine of sdpa_fwd_tangent_p).
 _Q, _K, _V, _MASK, _SINKS = 0, 1, 2, 3, 4
+_N_FWD = 3 + len(primitives.OPTIONAL)  # q, k, v and the optional operands
 
 
 def _fwd_differentiable(primals, flags):
@@ -116,8 +114,9 @@ def _fwd_differentiable(primals, flags):
 
 # ---------------------------------------------------------------------------
 # the tangent primitive:
-#   sdpa_fwd_tangent_p(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse,
-#                      mask_neg_inf, lse_neg_inf, tq, tk, tv, tmask, tsinks) -> (out_t, lse_t)
+#   sdpa_fwd_tangent_p(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+#                      kv_segment_ids, out, lse, mask_neg_inf, lse_neg_inf,
+#                      tq, tk, tv, tmask, tsinks) -> (out_t, lse_t)
 # linear in tq, tk, tv, tmask, tsinks (tmask / tsinks are placeholders unless
 # tangent_mask / tangent_sinks). out and lse are kept for the transpose. A float mask and
 # lse travel without their -inf (0 there, and a bool of where it was): an eager jax.grad
@@ -126,8 +125,8 @@ def _fwd_differentiable(primals, flags):
 sdpa_fwd_tangent_p = Primitive("jax_sdpa_fwd_tangent")
 sdpa_fwd_tangent_p.multiple_results = True
 
-_OUT, _LSE, _MASK_NEG_INF, _LSE_NEG_INF = 7, 8, 9, 10
-_N_PRIMAL = 11
+_OUT, _LSE, _MASK_NEG_INF, _LSE_NEG_INF = _N_FWD, _N_FWD + 1, _N_FWD + 2, _N_FWD + 3
+_N_PRIMAL = _N_FWD + 4
 _TANGENT_FLAGS = ("tangent_mask", "tangent_sinks")
 
 
@@ -151,22 +150,27 @@ def _split_tangent_kwargs(kw):
 
 
 def _tangent_primals(args):
-    """(q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse) with their -inf back."""
-    primal = list(args[:9])
+    """(q, k, v, *optional, out, lse) with their -inf back."""
+    primal = list(args[:_N_FWD + 2])
     primal[_MASK] = _with_neg_inf(args[_MASK], args[_MASK_NEG_INF])
     primal[_LSE] = _with_neg_inf(args[_LSE], args[_LSE_NEG_INF])
     return primal
 
 
-def _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths, tq, tk, tv, tmask, tsinks,
-                     *, flags, params, tangent_mask, tangent_sinks):
+def _over_differentiable(fn, operands, **kw):
+    """fn(q, k, v, mask, sinks) with the other operands (lengths, segment ids) closed over."""
+    rest = tuple(operands[5:])
+    return lambda q, k, v, mask, sinks: fn(q, k, v, mask, sinks, *rest, **kw)
+
+
+def _forward_tangent(operands, tq, tk, tv, tmask, tsinks, *, flags, params, tangent_mask,
+                     tangent_sinks):
     """(out_t, lse_t) by jax.jvp of the reference forward."""
-    primals = [q, k, v, mask, sinks]
+    primals = list(operands[:5])
     tangents = [tq, tk, tv, tmask if tangent_mask else ad.Zero(None),
                 tsinks if tangent_sinks else ad.Zero(None)]
-    fn = functools.partial(_reference_forward, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                           flags=flags, params=params)
-    _, (out_t, lse_t) = _jvp_over(lambda *a: fn(*a), primals, tangents, range(5))
+    fn = _over_differentiable(_reference_forward, operands, flags=flags, params=params)
+    _, (out_t, lse_t) = _jvp_over(fn, primals, tangents, range(5))
     return out_t, lse_t
 
 
@@ -175,10 +179,9 @@ def _tangent_rule_fn(**kw):
     flags, params, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
 
     def fn(*args):
-        q, k, v, mask, sinks, q_lengths, kv_lengths = _tangent_primals(args)[:7]
+        operands = _tangent_primals(args)[:_N_FWD]
         # out and lse: the reference recomputes them
-        return _forward_tangent(q, k, v, mask, sinks, q_lengths, kv_lengths,
-                                *args[_N_PRIMAL:], flags=flags, params=params,
+        return _forward_tangent(operands, *args[_N_PRIMAL:], flags=flags, params=params,
                                 tangent_mask=tangent_mask, tangent_sinks=tangent_sinks)
 
     return fn
@@ -194,27 +197,28 @@ def _tangent_transpose(cts, *args, **kw):
     """Cotangents of the linear operands: the fused backward for out's cotangent (plus sinks
     and mask gradients in JAX), the reference's VJP for lse's."""
     flags, params, tangent_mask, tangent_sinks, _ = _split_tangent_kwargs(kw)
-    q, k, v, mask, sinks, q_lengths, kv_lengths, out, lse = _tangent_primals(args)
+    primal = _tangent_primals(args)
+    operands, (out, lse) = primal[:_N_FWD], primal[_N_FWD:]
+    q, k, v = operands[:3]
     linear = args[_N_PRIMAL:]
     undefined = [ad.is_undefined_primal(x) for x in linear]
     wanted = undefined[:3] + [undefined[3] and tangent_mask, undefined[4] and tangent_sinks]
     ct_out, ct_lse = cts
     grads = [None] * 5
-    real_mask, real_sinks, real_ql, real_kvl = primitives._real(
-        (mask, sinks, q_lengths, kv_lengths), flags)
+    real = primitives._real(operands[3:], flags)
+    real_mask, real_sinks, real_ql, real_kvl, real_qseg, real_kvseg = real
     if not _is_zero(ct_out):
         dout = ct_out.astype(out.dtype)
         if any(wanted[:3]):
-            grads[:3] = primitives.bwd(q, k, v, out, lse, dout, real_mask, real_sinks,
-                                       real_ql, real_kvl, params)
+            grads[:3] = primitives.bwd(q, k, v, out, lse, dout, *real[:4], params,
+                                       q_segment_ids=real_qseg, kv_segment_ids=real_kvseg)
         if wanted[3]:
             grads[3] = _mask_grad(q, k, v, out, lse, dout, real_mask, real_ql, real_kvl,
-                                  params)
+                                  real_qseg, real_kvseg, params)
         if wanted[4]:
             grads[4] = _sinks_grad(out, lse, dout, real_sinks, params)
     if not _is_zero(ct_lse) and any(wanted):
-        extra = _lse_cotangent_grads((q, k, v, mask, sinks, q_lengths, kv_lengths), ct_lse,
-                                     out, flags, params, wanted)
+        extra = _lse_cotangent_grads(operands, ct_lse, out, flags, params, wanted)
         grads = [g if e is None else (e if g is None else g + e) for g, e in zip(grads, extra)]
     return [None] * _N_PRIMAL + [g if w else None for g, w in zip(grads, wanted)]
 
@@ -222,11 +226,9 @@ def _tangent_transpose(cts, *args, **kw):
 def _lse_cotangent_grads(operands, ct_lse, out, flags, params, wanted):
     """Cotangents of (q, k, v, mask, sinks) for a cotangent of lse alone, through the
     reference's VJP (None where not wanted)."""
-    q, k, v, mask, sinks, q_lengths, kv_lengths = operands
     positions = [i for i, w in enumerate(wanted) if w]
-    fn = functools.partial(_reference_forward, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                           flags=flags, params=params)
-    primals = [q, k, v, mask, sinks]
+    fn = _over_differentiable(_reference_forward, operands, flags=flags, params=params)
+    primals = list(operands[:5])
     _, pullback = jax.vjp(_restricted(fn, primals, positions),
                           *[primals[i] for i in positions])
     cts = pullback((jnp.zeros(out.shape, out.dtype), ct_lse.astype(jnp.float32)))
@@ -272,7 +274,7 @@ def _tangent_batch(args, dims, **kw):
     t = _N_PRIMAL
     for i in (0, 1, 2, _OUT, _LSE, _LSE_NEG_INF, t, t + 1, t + 2):  # q-, k-, v-, lse-shaped
         new[i] = primitives._fold(args[i], dims[i], size, batch)
-    for i, key in ((5, "has_q_lengths"), (6, "has_kv_lengths")):
+    for i, key in enumerate(primitives.OPTIONAL_FLAGS[2:], start=5):  # lengths, segment ids
         if flags[key]:
             new[i] = primitives._fold(args[i], dims[i], size, batch)
     if flags["has_mask"]:
@@ -366,9 +368,11 @@ def _sinks_grad(out, lse, dout, sinks, params):
     return grad.astype(sinks.dtype)
 
 
-def _mask_grad(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params):
+def _mask_grad(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, q_segment_ids,
+               kv_segment_ids, params):
     """dS summed over the mask's broadcast dimensions."""
-    ds = reference.dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params,
+    ds = reference.dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
+                           q_segment_ids, kv_segment_ids, params,
                            precision=jax.lax.Precision.HIGHEST)
     axes = tuple(i for i in range(4) if mask.shape[i] == 1 and ds.shape[i] != 1)
     if axes:

@@ -56,22 +56,11 @@ def key(request):
 # ---------------------------------------------------------------------------
 # direct FFI calls (the kernel contract)
 
-def _empty(dtype):
-    return jnp.zeros((0,), dtype)
-
-
-def _attrs(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl):
-    return dict(scale=float(scale), window_left=int(wl), window_right=int(wr),
-                bottom_right=bool(br), seq_major=bool(seq_major), has_mask=mask is not None,
-                has_sinks=sinks is not None, has_q_lengths=ql is not None,
-                has_kv_lengths=kvl is not None, fp32_precision=np.int64(0))
-
-
-def _optional(mask, sinks, ql, kvl):
-    return (_empty(jnp.float32) if mask is None else mask,
-            _empty(jnp.float32) if sinks is None else sinks,
-            _empty(jnp.int32) if ql is None else ql,
-            _empty(jnp.int32) if kvl is None else kvl)
+def _contract(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl):
+    from jax_sdpa.primitives import ffi_call_args
+    return ffi_call_args(scale=scale, window_left=wl, window_right=wr, bottom_right=br,
+                         seq_major=seq_major, mask=mask, sinks=sinks, q_lengths=ql,
+                         kv_lengths=kvl)
 
 
 def ffi_fwd(q, k, v, mask=None, sinks=None, ql=None, kvl=None, *, scale, wl=-1, wr=-1,
@@ -81,16 +70,16 @@ def ffi_fwd(q, k, v, mask=None, sinks=None, ql=None, kvl=None, *, scale, wl=-1, 
     out = jax.ShapeDtypeStruct(q.shape[:3] + (v.shape[3],), q.dtype)
     lse = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
     call = jax.ffi.ffi_call("jax_sdpa_cudnn_fwd", (out, lse))
-    return call(q, k, v, *_optional(mask, sinks, ql, kvl),
-                **_attrs(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl))
+    operands, attrs = _contract(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl)
+    return call(q, k, v, *operands, **attrs)
 
 
 def ffi_bwd(q, k, v, out, lse, dout, mask=None, sinks=None, ql=None, kvl=None, *, scale,
             wl=-1, wr=-1, br=False, seq_major=False):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = jax.ffi.ffi_call("jax_sdpa_cudnn_bwd", shapes)
-    return call(q, k, v, out, lse, dout, *_optional(mask, sinks, ql, kvl),
-                **_attrs(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl))
+    operands, attrs = _contract(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl)
+    return call(q, k, v, out, lse, dout, *operands, **attrs)
 
 
 # ---------------------------------------------------------------------------

@@ -178,11 +178,9 @@ def test_handlers_validate_fp32_precision():
     if not _ext.has_backend("cpu"):
         pytest.skip("the native CPU kernel is not built")
     q = jnp.zeros((1, 2, 3, 8), jnp.float32)
-    attrs = dict(scale=1.0, window_left=np.int64(-1), window_right=np.int64(-1),
-                 bottom_right=False, seq_major=False, has_mask=False, has_sinks=False,
-                 has_q_lengths=False, has_kv_lengths=False)
-    empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32),
-             jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
+    from jax_sdpa.primitives import ffi_call_args
+    empty, attrs = ffi_call_args(scale=1.0)
+    del attrs["fp32_precision"]
     call = jax.ffi.ffi_call("jax_sdpa_cpu_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                                  jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)))
     out, _ = call(q, q, q, *empty, **attrs, fp32_precision=np.int64(1))

@@ -27,7 +27,8 @@ HANDLERS = ("cpu", "metal")
 def _attrs(**over):
     a = dict(scale=0.35, window_left=-1, window_right=-1, bottom_right=False, seq_major=False,
              has_mask=False, has_sinks=False, has_q_lengths=False, has_kv_lengths=False,
-             fp32_precision=np.int64(0))
+             fp32_precision=np.int64(0), logits_soft_cap=0.0, has_segment_ids=False,
+             kv_layout=np.int64(0))
     a.update(over)
     return {k: v for k, v in a.items() if v is not _DROP}
 
@@ -57,7 +58,7 @@ def _fwd(b=1, hq=2, hk=1, lq=5, lk=7, d=8, dv=8, dtype=np.float32, out=None, lse
     v = _arr((b, hk, lk, dv), dtype, 3) if v is None else v
     ph_f, ph_i = np.zeros((0,), np.float32), np.zeros((0,), np.int32)
     operands = [q, k, v, ph_f if mask is None else mask, ph_f if sinks is None else sinks,
-                ph_i if ql is None else ql, ph_i if kvl is None else kvl]
+                ph_i if ql is None else ql, ph_i if kvl is None else kvl, ph_i, ph_i]
     flags = dict(has_mask=mask is not None, has_sinks=sinks is not None,
                  has_q_lengths=ql is not None, has_kv_lengths=kvl is not None)
     flags.update(attrs)
