@@ -80,6 +80,9 @@ inline std::string unsupported_reason(const SdpaParams& p) {
   const int64_t big = int64_t(1) << 30;
   if (p.len_q >= big || p.len_kv >= big || p.batch * p.heads_q * p.len_q >= (int64_t(1) << 40))
     return "sequence too long for the Metal kernels";
+  if (p.paged() && (p.page_size <= 0 || p.num_pages >= big || p.pages_per_seq >= big))
+    return "page table out of the Metal kernels' range (page_size " +
+           std::to_string(p.page_size) + ", " + std::to_string(p.num_pages) + " pages)";
   return "";
 }
 
@@ -123,9 +126,24 @@ inline SdpaMetalParams make_params(const SdpaParams& p) {
   m.has_kv_lengths = p.kv_lengths != nullptr;
   m.num_splits = 1;
   m.rows_per_group = 0;
+  m.has_segment_ids = p.q_segment_ids != nullptr;
+  m.paged = p.paged();
+  m.page_size = int32_t(p.page_size);
+  m.pages_per_seq = int32_t(p.pages_per_seq);
+  m.num_pages = int32_t(p.num_pages);
   m.scale = float(p.scale);
   m.scale_log2 = float(p.scale * 1.4426950408889634);
+  if (p.logits_soft_cap > 0) {
+    m.scale_over_cap = float(p.scale / p.logits_soft_cap);
+    m.cap_log2 = float(p.logits_soft_cap * 1.4426950408889634);
+  }
   return m;
+}
+
+// Kernel-name suffix of the call's variant: soft-capping is compiled in ("_cap" kernels) so
+// that the uncapped kernels carry no trace of it.
+inline std::string variant_suffix(const SdpaParams& p) {
+  return p.logits_soft_cap > 0 ? "_cap" : "";
 }
 
 namespace detail {
@@ -145,9 +163,18 @@ inline size_t qkv_bytes(const SdpaParams& p, int64_t h, int64_t l, int64_t d) {
   return size_t(p.batch * h * l * d) * dtype_size(p.dtype);
 }
 
-// Optional operands shared by forward and backward.
+// Bytes of k (d = D, stride k_stride) or v: contiguous [B, Hk, Lk, d] (either layout), or a
+// page pool [P, Hk, S, d] in any order of its first three axes (paged calls).
+inline size_t kv_bytes(const SdpaParams& p, const int64_t* stride, int64_t d) {
+  if (!p.paged()) return qkv_bytes(p, p.heads_kv, p.len_kv, d);
+  const int64_t ext[4] = {p.num_pages, p.heads_kv, p.page_size, d};
+  const int64_t str[4] = {stride[0], stride[1], stride[2], 1};
+  return span_bytes(ext, str, 4, dtype_size(p.dtype));
+}
+
+// Optional operands shared by forward and backward (page_indices: forward only).
 struct Optional {
-  int mask, sinks, qlen, kvlen;
+  int mask, sinks, qlen, kvlen, qseg, kvseg, pages;
 };
 inline Optional add_optional(const SdpaParams& p, Plan* plan) {
   auto add = [&](BufKind k, const void* ptr, size_t n) {
@@ -166,6 +193,9 @@ inline Optional add_optional(const SdpaParams& p, Plan* plan) {
                 size_t((p.sinks_batch_stride ? p.batch : 1) * p.heads_q) * sizeof(float));
   o.qlen = add(BufKind::kInput, p.q_lengths, size_t(p.batch) * sizeof(int32_t));
   o.kvlen = add(BufKind::kInput, p.kv_lengths, size_t(p.batch) * sizeof(int32_t));
+  o.qseg = add(BufKind::kInput, p.q_segment_ids, size_t(p.batch * p.len_q) * sizeof(int32_t));
+  o.kvseg = add(BufKind::kInput, p.kv_segment_ids, size_t(p.batch * p.len_kv) * sizeof(int32_t));
+  o.pages = add(BufKind::kInput, p.page_indices, size_t(p.batch * p.pages_per_seq) * sizeof(int32_t));
   return o;
 }
 inline int add_buffer(Plan* plan, BufKind k, const void* ptr, size_t n) {
@@ -208,10 +238,11 @@ inline std::string plan_forward(const SdpaParams& p, const SdpaFwdBuffers& io, P
   plan->params = make_params(p);
   const int dmax = dmax_bucket(p.head_dim, p.head_dim_v);
   const std::string tag = dtype_tag(p.dtype);
+  const std::string var = variant_suffix(p);
   using detail::add_buffer;
   const int q = add_buffer(plan, BufKind::kInput, io.q, detail::qkv_bytes(p, p.heads_q, p.len_q, p.head_dim));
-  const int k = add_buffer(plan, BufKind::kInput, io.k, detail::qkv_bytes(p, p.heads_kv, p.len_kv, p.head_dim));
-  const int v = add_buffer(plan, BufKind::kInput, io.v, detail::qkv_bytes(p, p.heads_kv, p.len_kv, p.head_dim_v));
+  const int k = add_buffer(plan, BufKind::kInput, io.k, detail::kv_bytes(p, p.k_stride, p.head_dim));
+  const int v = add_buffer(plan, BufKind::kInput, io.v, detail::kv_bytes(p, p.v_stride, p.head_dim_v));
   const auto opt = detail::add_optional(p, plan);
   const int out = add_buffer(plan, BufKind::kOutput, io.out, detail::qkv_bytes(p, p.heads_q, p.len_q, p.head_dim_v));
   const size_t nrows = size_t(p.batch * p.heads_q * p.len_q);
@@ -229,21 +260,22 @@ inline std::string plan_forward(const SdpaParams& p, const SdpaFwdBuffers& io, P
                                   splits > 1 ? nrows * splits * p.head_dim_v * sizeof(float) : 0);
     const int part_ml = add_buffer(plan, BufKind::kScratch, nullptr,
                                    splits > 1 ? nrows * splits * 2 * sizeof(float) : 0);
-    detail::add_launch(plan, "sdpa_decode_" + tag + "_" + std::to_string(dmax), chunks,
+    detail::add_launch(plan, "sdpa_decode_" + tag + "_" + std::to_string(dmax) + var, chunks,
                        uint32_t(p.heads_kv), uint32_t(p.batch * splits),
                        SDPA_DEC_SG * SDPA_SIMD,
-                       {q, k, v, opt.mask, opt.sinks, opt.qlen, opt.kvlen, out, lse, part_o,
-                        part_ml, prm});
+                       {q, k, v, opt.mask, opt.sinks, opt.qlen, opt.kvlen, opt.qseg, opt.kvseg,
+                        opt.pages, out, lse, part_o, part_ml, prm});
     if (splits > 1)
       detail::add_launch(plan, "sdpa_decode_combine_" + tag,
                          detail::ceil_div(int64_t(nrows), SDPA_COMBINE_SG), 1, 1,
                          SDPA_COMBINE_SG * SDPA_SIMD,
                          {part_o, part_ml, opt.sinks, opt.qlen, out, lse, prm});
   } else {
-    detail::add_launch(plan, "sdpa_fwd_" + tag + "_" + std::to_string(dmax),
+    detail::add_launch(plan, "sdpa_fwd_" + tag + "_" + std::to_string(dmax) + var,
                        detail::ceil_div(p.len_q, SDPA_TILED_ROWS), uint32_t(p.heads_q),
                        uint32_t(p.batch), SDPA_TILED_SG * SDPA_SIMD,
-                       {q, k, v, opt.mask, opt.sinks, opt.qlen, opt.kvlen, out, lse, prm});
+                       {q, k, v, opt.mask, opt.sinks, opt.qlen, opt.kvlen, opt.qseg, opt.kvseg,
+                        opt.pages, out, lse, prm});
   }
   return "";
 }
@@ -251,6 +283,7 @@ inline std::string plan_forward(const SdpaParams& p, const SdpaFwdBuffers& io, P
 inline std::string plan_backward(const SdpaParams& p, const SdpaBwdBuffers& io, Plan* plan) {
   std::string why = unsupported_reason(p);
   if (!why.empty()) return why;
+  if (p.paged()) return "paged K/V has no backward (paged attention is for inference)";
   plan->params = make_params(p);
   const int dmax = dmax_bucket(p.head_dim, p.head_dim_v);
   const std::string tag = dtype_tag(p.dtype);
@@ -273,16 +306,18 @@ inline std::string plan_backward(const SdpaParams& p, const SdpaBwdBuffers& io, 
   const int delta = add_buffer(plan, BufKind::kScratch, nullptr, nrows * sizeof(float));
   const int prm = add_buffer(plan, BufKind::kParams, nullptr, sizeof(SdpaMetalParams));
   plan->params_index = prm;
-  const std::string sfx = tag + "_" + std::to_string(dmax);
+  const std::string sfx = tag + "_" + std::to_string(dmax) + variant_suffix(p);
   const uint32_t threads = SDPA_TILED_SG * SDPA_SIMD;
   detail::add_launch(plan, "sdpa_bwd_delta_" + tag, detail::ceil_div(int64_t(nrows), SDPA_TILED_SG),
                      1, 1, threads, {out, dout, delta, prm});
   detail::add_launch(plan, "sdpa_bwd_dq_" + sfx, detail::ceil_div(p.len_q, SDPA_TILED_ROWS),
                      uint32_t(p.heads_q), uint32_t(p.batch), threads,
-                     {q, k, v, opt.mask, opt.qlen, opt.kvlen, dout, lse, delta, dq, prm});
+                     {q, k, v, opt.mask, opt.qlen, opt.kvlen, opt.qseg, opt.kvseg, dout, lse,
+                      delta, dq, prm});
   detail::add_launch(plan, "sdpa_bwd_dkdv_" + sfx, detail::ceil_div(p.len_kv, SDPA_TILED_ROWS),
                      uint32_t(p.heads_kv), uint32_t(p.batch), threads,
-                     {q, k, v, opt.mask, opt.qlen, opt.kvlen, dout, lse, delta, dk, dv, prm});
+                     {q, k, v, opt.mask, opt.qlen, opt.kvlen, opt.qseg, opt.kvseg, dout, lse,
+                      delta, dk, dv, prm});
   return "";
 }
 

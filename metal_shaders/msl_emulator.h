@@ -683,6 +683,7 @@ using std::log;
 using std::log2;
 using std::pow;
 using std::sqrt;
+using std::tanh;
 template <class T>
 T max(T a, T b) {
   return a < b ? b : a;

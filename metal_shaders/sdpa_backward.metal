@@ -4,7 +4,9 @@
 // sdpa_bwd_delta: one row per simdgroup. sdpa_bwd_dq: like the forward, 8 query rows per
 // simdgroup over their visible key blocks. sdpa_bwd_dkdv: 8 keys per simdgroup over the query
 // heads of their GQA group and the query blocks that can see them (transposed tiles), so every
-// output element has exactly one writer and no atomics are needed.
+// output element has exactly one writer and no atomics are needed. With segment ids, tiles
+// whose id ranges can't meet are skipped. Soft-capping (the CAP kernels) multiplies dS by
+// 1 - tanh^2 before the dq / dk products.
 #include "sdpa_common.metal"
 
 template <typename T>
@@ -28,17 +30,19 @@ template <typename T>
   if (lane == 0) delta[row] = acc;
 }
 
-template <typename T, int DMAX>
+template <typename T, int DMAX, bool CAP>
 [[kernel]] void sdpa_bwd_dq(device const T* q [[buffer(0)]], device const T* k [[buffer(1)]],
                             device const T* v [[buffer(2)]],
                             device const uchar* mask [[buffer(3)]],
                             device const int* q_lengths [[buffer(4)]],
                             device const int* kv_lengths [[buffer(5)]],
-                            device const T* dout [[buffer(6)]],
-                            device const float* lse [[buffer(7)]],
-                            device const float* delta [[buffer(8)]],
-                            device T* dq [[buffer(9)]],
-                            constant SdpaMetalParams& p [[buffer(10)]],
+                            device const int* q_seg [[buffer(6)]],
+                            device const int* kv_seg [[buffer(7)]],
+                            device const T* dout [[buffer(8)]],
+                            device const float* lse [[buffer(9)]],
+                            device const float* delta [[buffer(10)]],
+                            device T* dq [[buffer(11)]],
+                            constant SdpaMetalParams& p [[buffer(12)]],
                             uint3 tgp [[threadgroup_position_in_grid]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]],
@@ -68,10 +72,16 @@ template <typename T, int DMAX>
     kbeg = sdpa_band_first(row0, off, p.window_left);
     kend = sdpa_band_last(min(row0 + 8, qlen) - 1, off, p.window_right, kvlen);
   }
+  const bool segs = p.has_segment_ids != 0;
+  SdpaSegRange rows_seg = {0, 0};
+  if (segs) rows_seg = sdpa_seg_range(q_seg, b, p.len_q, row0, min(row0 + 8, qlen) - row0, lane);
   simdgroup_float8x8 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   for (int j0 = kbeg; j0 < kend; j0 += 8) {
+    if (segs && !sdpa_seg_meet(rows_seg,
+                               sdpa_seg_range(kv_seg, b, p.len_kv, j0, min(8, kend - j0), lane)))
+      continue;
     simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int c = 0; c < nd; ++c) {
       simdgroup_float8x8 qf, kt;
@@ -88,12 +98,13 @@ template <typename T, int DMAX>
     }
     for (int e = 0; e < 2; ++e) {
       const int j = j0 + fc + e;
-      const float x = j < kend ? sdpa_logit2(s.thread_elements()[e], mask, p, b, h, i, j, qlen,
-                                             kvlen, off)
-                               : SDPA_NEG_INF;
+      float tc = 0.0f;
+      const float x = sdpa_logit2<CAP>(s.thread_elements()[e], mask, q_seg, kv_seg, p, b, h, i,
+                                       j, qlen, kvlen, off, j < kend, tc);
       const float pe = sdpa_exp2_prob(x, lse2);
       // dS, selected: a hidden key's dP may be NaN (a NaN value) and 0 * NaN is NaN
-      s.thread_elements()[e] = pe == 0.0f ? 0.0f : pe * (dp.thread_elements()[e] - dlt);
+      s.thread_elements()[e] =
+          pe == 0.0f ? 0.0f : pe * (dp.thread_elements()[e] - dlt) * (CAP ? 1.0f - tc * tc : 1.0f);
     }
     for (int c = 0; c < NC; ++c) {
       if (c < nd) {
@@ -108,17 +119,19 @@ template <typename T, int DMAX>
     if (c < nd) sdpa_store(acc[c], dqb, p.q_stride[2], row0, p.len_q, c * 8, p.scale, lane);
 }
 
-template <typename T, int DMAX>
+template <typename T, int DMAX, bool CAP>
 [[kernel]] void sdpa_bwd_dkdv(device const T* q [[buffer(0)]], device const T* k [[buffer(1)]],
                               device const T* v [[buffer(2)]],
                               device const uchar* mask [[buffer(3)]],
                               device const int* q_lengths [[buffer(4)]],
                               device const int* kv_lengths [[buffer(5)]],
-                              device const T* dout [[buffer(6)]],
-                              device const float* lse [[buffer(7)]],
-                              device const float* delta [[buffer(8)]],
-                              device T* dk [[buffer(9)]], device T* dv [[buffer(10)]],
-                              constant SdpaMetalParams& p [[buffer(11)]],
+                              device const int* q_seg [[buffer(6)]],
+                              device const int* kv_seg [[buffer(7)]],
+                              device const T* dout [[buffer(8)]],
+                              device const float* lse [[buffer(9)]],
+                              device const float* delta [[buffer(10)]],
+                              device T* dk [[buffer(11)]], device T* dv [[buffer(12)]],
+                              constant SdpaMetalParams& p [[buffer(13)]],
                               uint3 tgp [[threadgroup_position_in_grid]],
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]],
@@ -144,6 +157,10 @@ template <typename T, int DMAX>
     qbeg = p.window_right < 0 ? 0 : max(0, key0 - off - p.window_right);
     qend = p.window_left < 0 ? qlen : min(qlen, max(0, klast - off + p.window_left + 1));
   }
+  const bool segs = p.has_segment_ids != 0;
+  SdpaSegRange keys_seg = {0, 0};
+  if (segs)
+    keys_seg = sdpa_seg_range(kv_seg, b, p.len_kv, key0, min(key0 + 8, kvlen) - key0, lane);
   simdgroup_float8x8 gk[NC], gv[NC];
   for (int c = 0; c < NC; ++c) {
     gk[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -156,6 +173,9 @@ template <typename T, int DMAX>
     device const T* dob = dout + b * p.o_stride[0] + h * p.o_stride[1];
     const long lrow = (long(b) * p.heads_q + h) * p.len_q;
     for (int i0 = qbeg; i0 < qend; i0 += 8) {
+      if (segs && !sdpa_seg_meet(keys_seg, sdpa_seg_range(q_seg, b, p.len_q, i0,
+                                                          min(8, qend - i0), lane)))
+        continue;
       // S^T = K Q^T and dP^T = V dO^T: rows are keys, columns queries.
       simdgroup_float8x8 st = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (int c = 0; c < nd; ++c) {
@@ -174,15 +194,17 @@ template <typename T, int DMAX>
       simdgroup_float8x8 pt, dst;
       for (int e = 0; e < 2; ++e) {
         const int i = i0 + fc + e;
-        float pe = 0.0f, dlt = 0.0f;
+        float pe = 0.0f, dlt = 0.0f, tc = 0.0f;
         if (i < qend) {
-          const float x = sdpa_logit2(st.thread_elements()[e], mask, p, b, h, i, j, qlen, kvlen,
-                                      off);
+          const float x = sdpa_logit2<CAP>(st.thread_elements()[e], mask, q_seg, kv_seg, p, b, h,
+                                           i, j, qlen, kvlen, off, true, tc);
           pe = sdpa_exp2_prob(x, lse[lrow + i] * SDPA_LOG2E);
           dlt = delta[lrow + i];
         }
         pt.thread_elements()[e] = pe;
-        dst.thread_elements()[e] = pe == 0.0f ? 0.0f : pe * (dpt.thread_elements()[e] - dlt);
+        dst.thread_elements()[e] =
+            pe == 0.0f ? 0.0f
+                       : pe * (dpt.thread_elements()[e] - dlt) * (CAP ? 1.0f - tc * tc : 1.0f);
       }
       for (int c = 0; c < NC; ++c) {
         if (c < ndv) {
@@ -206,9 +228,11 @@ template <typename T, int DMAX>
   }
 }
 
-#define SDPA_BWD_INST(tn, T, D)                                           \
-  MSL_INSTANTIATE_KERNEL("sdpa_bwd_dq_" #tn "_" #D, sdpa_bwd_dq, T, D) \
-  MSL_INSTANTIATE_KERNEL("sdpa_bwd_dkdv_" #tn "_" #D, sdpa_bwd_dkdv, T, D)
+#define SDPA_BWD_INST(tn, T, D)                                                         \
+  MSL_INSTANTIATE_KERNEL("sdpa_bwd_dq_" #tn "_" #D, sdpa_bwd_dq, T, D, false)         \
+  MSL_INSTANTIATE_KERNEL("sdpa_bwd_dq_" #tn "_" #D "_cap", sdpa_bwd_dq, T, D, true)   \
+  MSL_INSTANTIATE_KERNEL("sdpa_bwd_dkdv_" #tn "_" #D, sdpa_bwd_dkdv, T, D, false)     \
+  MSL_INSTANTIATE_KERNEL("sdpa_bwd_dkdv_" #tn "_" #D "_cap", sdpa_bwd_dkdv, T, D, true)
 #define SDPA_BWD_INST_ALL(tn, T)                                                \
   SDPA_BWD_INST(tn, T, 64) SDPA_BWD_INST(tn, T, 128) SDPA_BWD_INST(tn, T, 256) \
   SDPA_BWD_INST(tn, T, 512)                                                     \

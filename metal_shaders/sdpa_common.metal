@@ -52,20 +52,71 @@ METAL_FUNC float sdpa_mask2(device const uchar* mask, constant SdpaMetalParams& 
   return x * SDPA_LOG2E;
 }
 
-// Base-2 logit of key j for query i given q.k (`dot`), or -inf when j is not visible.
-// i < qlen, j < kvlen and the band are checked here.
-METAL_FUNC float sdpa_logit2(float dot, device const uchar* mask, constant SdpaMetalParams& p,
-                             int b, int h, int i, int j, int qlen, int kvlen, int off) {
-  if (i >= qlen || j >= kvlen || j < sdpa_band_first(i, off, p.window_left) ||
+// Base-2 score of q.k (`dot`) before the mask: scale * q.k, or with soft-capping (the CAP
+// kernels) cap * tanh(scale * q.k / cap) (the cap comes before the additive mask); `t` gets
+// the tanh, whose 1 - t^2 the backward needs.
+template <bool CAP>
+METAL_FUNC float sdpa_score2(float dot, constant SdpaMetalParams& p, thread float& t) {
+  if (!CAP) return dot * p.scale_log2;
+  t = tanh(dot * p.scale_over_cap);
+  return p.cap_log2 * t;
+}
+
+// Segment id of position i of batch row b (packed sequences; only when has_segment_ids).
+METAL_FUNC int sdpa_seg(device const int* ids, int b, int len, int i) {
+  return ids[long(b) * len + i];
+}
+
+// Base-2 logit of key j for query i given q.k (`dot`), or -inf when j is not visible: i < qlen,
+// j < kvlen, the band, the segments and the mask are checked here; `key_ok` is false for a key
+// on a page outside the pool (paged K/V). `t`: see sdpa_score2.
+template <bool CAP>
+METAL_FUNC float sdpa_logit2(float dot, device const uchar* mask, device const int* q_seg,
+                             device const int* kv_seg, constant SdpaMetalParams& p, int b,
+                             int h, int i, int j, int qlen, int kvlen, int off, bool key_ok,
+                             thread float& t) {
+  if (!key_ok || i >= qlen || j >= kvlen || j < sdpa_band_first(i, off, p.window_left) ||
       j >= sdpa_band_last(i, off, p.window_right, kvlen))
     return SDPA_NEG_INF;
-  float x = dot * p.scale_log2;
+  if (p.has_segment_ids != 0 &&
+      sdpa_seg(q_seg, b, p.len_q, i) != sdpa_seg(kv_seg, b, p.len_kv, j))
+    return SDPA_NEG_INF;
+  float x = sdpa_score2<CAP>(dot, p, t);
   if (p.mask_kind != SDPA_MASK_NONE) {
     const float m = sdpa_mask2(mask, p, b, h, i, j);
     if (m == SDPA_NEG_INF) return SDPA_NEG_INF;
     x += m;
   }
   return x;
+}
+
+// ---- K/V rows (contiguous or paged) -----------------------------------------------------------
+
+// Element offset of key j's row in batch row b, relative to the kv head's base
+// (k + hk * stride[1]); s0, s2 are the (batch or page, position or slot) strides. -1 for a key
+// on a page outside [0, num_pages): such a key is invisible and never read.
+METAL_FUNC long sdpa_kv_row(device const int* page_indices, constant SdpaMetalParams& p, int b,
+                            int j, long s0, long s2) {
+  if (p.paged == 0) return long(b) * s0 + long(j) * s2;
+  const int page = page_indices[long(b) * p.pages_per_seq + j / p.page_size];
+  if (page < 0 || page >= p.num_pages) return -1;
+  return long(page) * s0 + long(j % p.page_size) * s2;
+}
+
+// Segment-id ranges: [min, max] of the ids of `n` consecutive positions from `first` (lanes
+// 0..n-1 read one each; n <= 32), over the simdgroup. Blocks whose ranges don't overlap can't
+// see each other (exact for sorted packing, conservative otherwise). Call uniformly.
+struct SdpaSegRange {
+  int lo, hi;
+};
+METAL_FUNC SdpaSegRange sdpa_seg_range(device const int* ids, int b, int len, int first, int n,
+                                       uint lane) {
+  const bool ok = int(lane) < n;
+  const int id = ok ? sdpa_seg(ids, b, len, first + int(lane)) : 0;
+  return {simd_min(ok ? id : 0x7fffffff), simd_max(ok ? id : -0x7fffffff - 1)};
+}
+METAL_FUNC bool sdpa_seg_meet(SdpaSegRange a, SdpaSegRange b) {
+  return a.lo <= b.hi && b.lo <= a.hi;
 }
 
 // exp2(x - m) that is 0 (not NaN) when x or m is -inf, and NaN when x is: a NaN score
@@ -123,6 +174,24 @@ METAL_FUNC void sdpa_load_t(thread simdgroup_float8x8& m, device const T* base, 
     const bool ok = c + e < nrows;
     m.thread_elements()[e] = ok ? float(base[long(c + e) * stride + r]) : 0.0f;
   }
+}
+
+// K/V fragments by row offset (sdpa_kv_row; -1 or a key past the range reads zeros):
+// m[r][c] = base[off + col0 + c] for this lane's row r, `off` its row's offset.
+template <typename T>
+METAL_FUNC void sdpa_load_kv(thread simdgroup_float8x8& m, device const T* base, long off,
+                             int col0, uint lane) {
+  device const T* src = base + (off >= 0 ? off + col0 + sdpa_frag_col(lane) : 0);
+  m.thread_elements()[0] = off >= 0 ? float(src[0]) : 0.0f;
+  m.thread_elements()[1] = off >= 0 ? float(src[1]) : 0.0f;
+}
+// Transposed: m[r][c] = base[off_c + col0 + r], off[e] the offset of this lane's column e.
+template <typename T>
+METAL_FUNC void sdpa_load_kv_t(thread simdgroup_float8x8& m, device const T* base,
+                               const thread long* off, int col0, uint lane) {
+  const int r = col0 + sdpa_frag_row(lane);
+  for (int e = 0; e < 2; ++e)
+    m.thread_elements()[e] = off[e] >= 0 ? float(base[off[e] + r]) : 0.0f;
 }
 
 // base[(row0 + r) * stride + col0 + c] = scale * m[r][c] for rows < nrows.

@@ -6,20 +6,24 @@
 // threadgroup's key range (of its split); each lane holds head-dim elements lane, lane + 32, ...
 // and a dot product is one simd_sum. The simdgroups' partial softmax states are merged in
 // threadgroup memory. One split writes out + lse; several write unnormalized partials that
-// sdpa_decode_combine merges (two-pass split-K for long caches).
+// sdpa_decode_combine merges (two-pass split-K for long caches). K/V may be paged (each key's
+// row found through the page table, read in place; a page outside the pool is never read).
 #include "sdpa_common.metal"
 
-template <typename T, int DMAX>
+template <typename T, int DMAX, bool CAP>
 [[kernel]] void sdpa_decode(device const T* q [[buffer(0)]], device const T* k [[buffer(1)]],
                             device const T* v [[buffer(2)]],
                             device const uchar* mask [[buffer(3)]],
                             device const float* sinks [[buffer(4)]],
                             device const int* q_lengths [[buffer(5)]],
                             device const int* kv_lengths [[buffer(6)]],
-                            device T* out [[buffer(7)]], device float* lse [[buffer(8)]],
-                            device float* part_o [[buffer(9)]],
-                            device float* part_ml [[buffer(10)]],
-                            constant SdpaMetalParams& p [[buffer(11)]],
+                            device const int* q_seg [[buffer(7)]],
+                            device const int* kv_seg [[buffer(8)]],
+                            device const int* page_indices [[buffer(9)]],
+                            device T* out [[buffer(10)]], device float* lse [[buffer(11)]],
+                            device float* part_o [[buffer(12)]],
+                            device float* part_ml [[buffer(13)]],
+                            constant SdpaMetalParams& p [[buffer(14)]],
                             uint3 tgp [[threadgroup_position_in_grid]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]],
@@ -38,9 +42,10 @@ template <typename T, int DMAX>
   const int qlen = sdpa_length(q_lengths, p.has_q_lengths, b, p.len_q);
   const int kvlen = sdpa_length(kv_lengths, p.has_kv_lengths, b, p.len_kv);
   const int off = p.bottom_right != 0 ? kvlen - qlen : 0;
+  const bool segs = p.has_segment_ids != 0;
 
   // Rows: head h = hk * G + r / Lq, query i = r % Lq; live if i < qlen.
-  int row_h[R], row_i[R];
+  int row_h[R], row_i[R], row_seg[R];
   bool row_live[R];
   float qr[R][E];
   int kbeg = kvlen, kend = 0;
@@ -49,6 +54,7 @@ template <typename T, int DMAX>
     row_h[r] = hk * p.group + (rr < nrows ? rr / p.len_q : 0);
     row_i[r] = rr < nrows ? rr % p.len_q : 0;
     row_live[r] = rr < nrows && row_i[r] < qlen;
+    row_seg[r] = (segs && row_live[r]) ? sdpa_seg(q_seg, b, p.len_q, row_i[r]) : 0;
     device const T* qrow =
         q + b * p.q_stride[0] + row_h[r] * p.q_stride[1] + row_i[r] * p.q_stride[2];
     for (int e = 0; e < E; ++e) {
@@ -75,14 +81,18 @@ template <typename T, int DMAX>
     for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
   }
 
-  device const T* kb = k + b * p.k_stride[0] + hk * p.k_stride[1];
-  device const T* vb = v + b * p.v_stride[0] + hk * p.v_stride[1];
+  device const T* kb = k + hk * p.k_stride[1];  // + sdpa_kv_row
+  device const T* vb = v + hk * p.v_stride[1];
   for (int j = kbeg + int(sg); j < kend; j += SDPA_DEC_SG) {
+    const long koff = sdpa_kv_row(page_indices, p, b, j, p.k_stride[0], p.k_stride[2]);
+    if (koff < 0) continue;  // a page outside the pool: invisible, never read
+    const long voff = sdpa_kv_row(page_indices, p, b, j, p.v_stride[0], p.v_stride[2]);
+    const int kseg = segs ? sdpa_seg(kv_seg, b, p.len_kv, j) : 0;
     float kr[E], vr[E];
     for (int e = 0; e < E; ++e) {
       const int d = int(lane) + e * SDPA_SIMD;
-      kr[e] = d < p.head_dim ? float(kb[long(j) * p.k_stride[2] + d]) : 0.0f;
-      vr[e] = d < p.head_dim_v ? float(vb[long(j) * p.v_stride[2] + d]) : 0.0f;
+      kr[e] = d < p.head_dim ? float(kb[koff + d]) : 0.0f;
+      vr[e] = d < p.head_dim_v ? float(vb[voff + d]) : 0.0f;
     }
     for (int r = 0; r < R; ++r) {
       // Visibility is uniform over the simdgroup, so the simd_sum below is too.
@@ -91,6 +101,7 @@ template <typename T, int DMAX>
       if (j < sdpa_band_first(i, off, p.window_left) ||
           j >= sdpa_band_last(i, off, p.window_right, kvlen))
         continue;
+      if (segs && row_seg[r] != kseg) continue;
       float madd = 0.0f;
       if (p.mask_kind != SDPA_MASK_NONE) {
         madd = sdpa_mask2(mask, p, b, row_h[r], i, j);
@@ -98,7 +109,8 @@ template <typename T, int DMAX>
       }
       float dot = 0.0f;
       for (int e = 0; e < E; ++e) dot += qr[r][e] * kr[e];
-      const float s = simd_sum(dot) * p.scale_log2 + madd;
+      float tc;
+      const float s = sdpa_score2<CAP>(simd_sum(dot), p, tc) + madd;
       const float m_new = max(m[r], s);
       const float alpha = sdpa_exp2_safe(m[r], m_new);
       const float pj = sdpa_exp2_safe(s, m_new);
@@ -196,8 +208,9 @@ template <typename T>
   if (lane == 0) lse[row] = live ? (mt + log2(ll)) * SDPA_LN2 : SDPA_NEG_INF;
 }
 
-#define SDPA_DEC_INST(tn, T, D) \
-  MSL_INSTANTIATE_KERNEL("sdpa_decode_" #tn "_" #D, sdpa_decode, T, D)
+#define SDPA_DEC_INST(tn, T, D)                                                 \
+  MSL_INSTANTIATE_KERNEL("sdpa_decode_" #tn "_" #D, sdpa_decode, T, D, false) \
+  MSL_INSTANTIATE_KERNEL("sdpa_decode_" #tn "_" #D "_cap", sdpa_decode, T, D, true)
 #define SDPA_DEC_INST_ALL(tn, T)                                                \
   SDPA_DEC_INST(tn, T, 64) SDPA_DEC_INST(tn, T, 128) SDPA_DEC_INST(tn, T, 256) \
   SDPA_DEC_INST(tn, T, 512)                                                     \

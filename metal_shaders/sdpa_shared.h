@@ -73,11 +73,22 @@ struct SdpaMetalParams {
   sdpa_int has_kv_lengths;
   sdpa_int num_splits;  // decode: key splits (1 = single pass)
   sdpa_int rows_per_group;  // decode: packed query rows per threadgroup
+  sdpa_int has_segment_ids;  // packed sequences: q_seg[b, i] == kv_seg[b, j] to see key j
+  // Paged K/V: key j of row b is slot j % page_size of page page_indices[b, j / page_size];
+  // k_stride / v_stride are then (page, head, slot) strides. paged = 0 otherwise.
+  sdpa_int paged;
+  sdpa_int page_size;
+  sdpa_int pages_per_seq;
+  sdpa_int num_pages;
+  sdpa_int pad0;
   float scale;
   float scale_log2;  // scale * log2(e): scores are kept in base 2
+  // Soft-capping (the "_cap" kernels): score2 = cap_log2 * tanh(q.k * scale_over_cap).
+  float scale_over_cap;  // scale / cap
+  float cap_log2;        // cap * log2(e)
 };
 
-#define SDPA_PARAMS_SIZE (17 * 8 + 18 * 4 + 2 * 4)
+#define SDPA_PARAMS_SIZE (17 * 8 + 24 * 4 + 4 * 4)
 // Checked by every compiler that sees this header (Apple's, the emulator's, the host's).
 static_assert(sizeof(SdpaMetalParams) == SDPA_PARAMS_SIZE, "SdpaMetalParams layout changed");
 

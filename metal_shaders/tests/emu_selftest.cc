@@ -9,6 +9,7 @@
 //
 #include "metal_shaders/host_emulator.cc"  // emulator + the project's kernels
 
+#include <algorithm>
 #include <random>
 
 static int g_failures = 0;
@@ -206,13 +207,36 @@ struct Problem {
   bool causal, sinks, lengths;
   const char* kernel;  // "full", "decode" or null
   int splits;
+  int segments = 0;    // 0: none; 1: sorted runs (lengths 1.. included); 2: unsorted ids
+  double cap = 0.0;    // logits_soft_cap (0: off)
+  int page_size = 0;   // > 0: K/V paged (forward only), pages shuffled, one page out of range
+  int kv_layout = 0;   // paged: 0 = [P, Hk, S, D], 1 = [P, S, Hk, D]
 };
+
+// Segment ids of one row: sorted runs of random lengths (1 included) or random small ids.
+static std::vector<int32_t> make_segments(int n, int kind, std::mt19937& rng) {
+  std::vector<int32_t> ids(n);
+  if (kind == 1) {
+    int id = 3, left = 0;
+    for (int x = 0; x < n; ++x) {
+      if (left == 0) {
+        id += 1 + int(rng() % 2);  // ids need not be contiguous
+        left = 1 + int(rng() % 9);
+      }
+      ids[x] = id;
+      --left;
+    }
+  } else {
+    for (int x = 0; x < n; ++x) ids[x] = int(rng() % 4) - 1;
+  }
+  return ids;
+}
 
 static void test_attention(const Problem& pr, std::mt19937& rng) {
   std::normal_distribution<float> nd;
   auto fill = [&](std::vector<float>& v, size_t n) {
     v.resize(n);
-    for (auto& x : v) x = nd(rng);
+    for (auto& x : v) x = nd(rng) * 1.5f;
   };
   std::vector<float> q, k, v, sinks, dout;
   fill(q, size_t(pr.B) * pr.Hq * pr.Lq * pr.D);
@@ -224,6 +248,20 @@ static void test_attention(const Problem& pr, std::mt19937& rng) {
   for (int b = 0; b < pr.B; ++b) {
     qlen[b] = pr.lengths ? (pr.Lq * (b + 1)) / (pr.B + 1) + (b == 0) : pr.Lq;
     kvlen[b] = pr.lengths ? (pr.Lk * (b + 2)) / (pr.B + 2) : pr.Lk;
+  }
+  std::vector<int32_t> qseg, kvseg;
+  if (pr.segments) {
+    for (int b = 0; b < pr.B; ++b) {
+      auto a = make_segments(pr.Lq, pr.segments, rng);
+      qseg.insert(qseg.end(), a.begin(), a.end());
+      if (pr.Lq == pr.Lk) {
+        kvseg.insert(kvseg.end(), a.begin(), a.end());
+      } else {
+        auto c = make_segments(pr.Lk, pr.segments, rng);
+        kvseg.insert(kvseg.end(), c.begin(), c.end());
+      }
+    }
+    qseg[pr.Lq / 2] = 1000;  // a query whose segment has no key: nothing to attend
   }
   js::SdpaParams p;
   p.batch = pr.B;
@@ -249,11 +287,65 @@ static void test_attention(const Problem& pr, std::mt19937& rng) {
   p.sinks_batch_stride = 0;
   p.q_lengths = pr.lengths ? qlen.data() : nullptr;
   p.kv_lengths = pr.lengths ? kvlen.data() : nullptr;
+  p.q_segment_ids = pr.segments ? qseg.data() : nullptr;
+  p.kv_segment_ids = pr.segments ? kvseg.data() : nullptr;
+  p.logits_soft_cap = pr.cap;
 
-  // float64 reference: out, lse, P
+  // Paged: the pool holds every row's pages in a shuffled order plus spare pages of NaN (never
+  // visible); row 0's second page index is out of range (its keys are invisible), and indices
+  // past a row's length are garbage (never read).
+  const int S = pr.page_size;
+  const int pps = S > 0 ? (pr.Lk + S - 1) / S : 0;
+  std::vector<int32_t> table;
+  std::vector<float> kpool, vpool;
+  std::vector<char> key_ok(size_t(pr.B) * pr.Lk, 1);
+  if (S > 0 && pr.Lk % S != 0) {
+    std::printf("FAIL paged problem needs Lk %% page_size == 0\n");
+    ++g_failures;
+    return;
+  }
+  if (S > 0) {
+    const int P = pr.B * pps + 3;
+    std::vector<int32_t> perm(P);
+    for (int x = 0; x < P; ++x) perm[x] = x;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    table.resize(size_t(pr.B) * pps);
+    for (int x = 0; x < pr.B * pps; ++x) table[x] = perm[x];
+    kpool.assign(size_t(P) * pr.Hk * S * pr.D, NAN);
+    vpool.assign(size_t(P) * pr.Hk * S * pr.Dv, NAN);
+    auto pool_off = [&](int page, int h, int slot, int d) -> size_t {
+      return pr.kv_layout == 0 ? ((size_t(page) * pr.Hk + h) * S + slot) * d
+                               : ((size_t(page) * S + slot) * pr.Hk + h) * d;
+    };
+    for (int b = 0; b < pr.B; ++b)
+      for (int h = 0; h < pr.Hk; ++h)
+        for (int j = 0; j < pr.Lk; ++j) {
+          const int page = table[size_t(b) * pps + j / S];
+          const size_t src = (size_t(b) * pr.Hk + h) * pr.Lk + j;
+          for (int c = 0; c < pr.D; ++c) kpool[pool_off(page, h, j % S, pr.D) + c] = k[src * pr.D + c];
+          for (int c = 0; c < pr.Dv; ++c) vpool[pool_off(page, h, j % S, pr.Dv) + c] = v[src * pr.Dv + c];
+        }
+    if (pps > 1) {
+      table[1] = P + 5;  // out of range: row 0's keys S .. 2S-1 are invisible
+      for (int j = S; j < 2 * S; ++j) key_ok[j] = 0;
+    }
+    for (int b = 0; b < pr.B; ++b)  // pages wholly past the row's length: garbage indices
+      for (int lp = (kvlen[b] + S - 1) / S; lp < pps; ++lp) table[size_t(b) * pps + lp] = -7 - lp;
+    p.page_indices = table.data();
+    p.pages_per_seq = pps;
+    p.page_size = S;
+    p.num_pages = P;
+    const int64_t st0 = int64_t(pr.Hk) * S, st1 = pr.kv_layout == 0 ? S : 1,
+                  st2 = pr.kv_layout == 0 ? 1 : pr.Hk;
+    p.k_stride[0] = st0 * pr.D, p.k_stride[1] = st1 * pr.D, p.k_stride[2] = st2 * pr.D;
+    p.v_stride[0] = st0 * pr.Dv, p.v_stride[1] = st1 * pr.Dv, p.v_stride[2] = st2 * pr.Dv;
+  }
+
+  // float64 reference: out, lse, P, and tanh of the capped scores
   const int G = pr.Hq / pr.Hk;
   std::vector<double> ro(dout.size()), rl(size_t(pr.B) * pr.Hq * pr.Lq),
-      P(size_t(pr.B) * pr.Hq * pr.Lq * pr.Lk);
+      P(size_t(pr.B) * pr.Hq * pr.Lq * pr.Lk), TC(P.size());
+  int empty_rows = 0;
   for (int b = 0; b < pr.B; ++b)
     for (int h = 0; h < pr.Hq; ++h)
       for (int i = 0; i < pr.Lq; ++i) {
@@ -263,32 +355,42 @@ static void test_attention(const Problem& pr, std::mt19937& rng) {
         double mx = pr.sinks ? sinks[h] : -INFINITY;
         for (int j = 0; j < pr.Lk; ++j) {
           if (i >= qlen[b] || j >= kvlen[b] || (pr.causal && j > i + off)) continue;
+          if (pr.segments && qseg[size_t(b) * pr.Lq + i] != kvseg[size_t(b) * pr.Lk + j]) continue;
+          if (!key_ok[size_t(b) * pr.Lk + j]) continue;
           double d = 0;
           for (int c = 0; c < pr.D; ++c)
             d += double(q[row * pr.D + c]) * k[((size_t(b) * pr.Hk + hk) * pr.Lk + j) * pr.D + c];
           s[j] = d * p.scale;
+          if (pr.cap > 0) {
+            TC[row * pr.Lk + j] = std::tanh(s[j] / pr.cap);
+            s[j] = pr.cap * TC[row * pr.Lk + j];
+          }
           mx = std::max(mx, s[j]);
         }
         double tot = (pr.sinks && std::isfinite(mx)) ? std::exp(sinks[h] - mx) : 0.0;
         for (int j = 0; j < pr.Lk; ++j)
           if (std::isfinite(s[j])) tot += std::exp(s[j] - mx);
         const bool live = i < qlen[b] && tot > 0;
+        empty_rows += i < qlen[b] && !live;
         rl[row] = live ? mx + std::log(tot) : -INFINITY;
         for (int j = 0; j < pr.Lk; ++j) {
           const double pj = live && std::isfinite(s[j]) ? std::exp(s[j] - rl[row]) : 0.0;
           P[row * pr.Lk + j] = pj;
           for (int c = 0; c < pr.Dv; ++c)
-            ro[row * pr.Dv + c] += pj * v[((size_t(b) * pr.Hk + hk) * pr.Lk + j) * pr.Dv + c];
+            if (pj != 0)
+              ro[row * pr.Dv + c] += pj * v[((size_t(b) * pr.Hk + hk) * pr.Lk + j) * pr.Dv + c];
         }
       }
 
   if (pr.kernel) setenv("JAX_SDPA_METAL_KERNEL", pr.kernel, 1);
   if (pr.splits) setenv("JAX_SDPA_METAL_SPLITS", std::to_string(pr.splits).c_str(), 1);
   std::vector<float> out(ro.size(), NAN), lse(rl.size(), NAN);
-  js::SdpaFwdBuffers fio{q.data(), k.data(), v.data(), out.data(), lse.data()};
+  js::SdpaFwdBuffers fio{q.data(), S > 0 ? kpool.data() : k.data(),
+                         S > 0 ? vpool.data() : v.data(), out.data(), lse.data()};
   js::metal::Plan plan;
   std::string e = js::metal::plan_forward(p, fio, &plan);
   if (e.empty()) e = js::metal::runner()->run(plan);
+  const std::string kernel_ran = plan.launches.empty() ? "none" : plan.launches[0].kernel;
   unsetenv("JAX_SDPA_METAL_KERNEL");
   unsetenv("JAX_SDPA_METAL_SPLITS");
   CHECK(e.empty(), "forward: %s", e.c_str());
@@ -297,49 +399,57 @@ static void test_attention(const Problem& pr, std::mt19937& rng) {
   for (size_t x = 0; x < rl.size(); ++x)
     el = std::max(el, std::isfinite(rl[x]) ? std::abs(lse[x] - rl[x])
                                             : (lse[x] == rl[x] ? 0.0 : INFINITY));
+  if (std::isnan(eo)) eo = INFINITY;
 
-  // backward from the reference out/lse
-  std::vector<float> outf(ro.begin(), ro.end()), lsef(rl.begin(), rl.end());
-  std::vector<float> dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
-  js::SdpaBwdBuffers bio{q.data(), k.data(), v.data(), outf.data(), lsef.data(), dout.data(),
-                         dq.data(), dk.data(), dv.data()};
-  js::metal::Plan bplan;
-  e = js::metal::plan_backward(p, bio, &bplan);
-  if (e.empty()) e = js::metal::runner()->run(bplan);
-  CHECK(e.empty(), "backward: %s", e.c_str());
-  std::vector<double> rq(q.size()), rk(k.size()), rv(v.size());
-  for (int b = 0; b < pr.B; ++b)
-    for (int h = 0; h < pr.Hq; ++h)
-      for (int i = 0; i < pr.Lq; ++i) {
-        const int hk = h / G;
-        const size_t row = (size_t(b) * pr.Hq + h) * pr.Lq + i;
-        double delta = 0;
-        for (int c = 0; c < pr.Dv; ++c) delta += double(dout[row * pr.Dv + c]) * outf[row * pr.Dv + c];
-        for (int j = 0; j < pr.Lk; ++j) {
-          const double pj = P[row * pr.Lk + j];
-          if (pj == 0) continue;
-          const size_t kr = (size_t(b) * pr.Hk + hk) * pr.Lk + j;
-          double dp = 0;
-          for (int c = 0; c < pr.Dv; ++c) dp += double(dout[row * pr.Dv + c]) * v[kr * pr.Dv + c];
-          const double ds = pj * (dp - delta);
-          for (int c = 0; c < pr.D; ++c) {
-            rq[row * pr.D + c] += p.scale * ds * k[kr * pr.D + c];
-            rk[kr * pr.D + c] += p.scale * ds * q[row * pr.D + c];
-          }
-          for (int c = 0; c < pr.Dv; ++c) rv[kr * pr.Dv + c] += pj * dout[row * pr.Dv + c];
-        }
-      }
   double eb = 0;
-  for (size_t x = 0; x < rq.size(); ++x) eb = std::max(eb, std::abs(dq[x] - rq[x]));
-  for (size_t x = 0; x < rk.size(); ++x) eb = std::max(eb, std::abs(dk[x] - rk[x]));
-  for (size_t x = 0; x < rv.size(); ++x) eb = std::max(eb, std::abs(dv[x] - rv[x]));
+  if (S == 0) {  // backward from the reference out/lse (paged K/V is forward-only)
+    std::vector<float> outf(ro.begin(), ro.end()), lsef(rl.begin(), rl.end());
+    std::vector<float> dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
+    js::SdpaBwdBuffers bio{q.data(), k.data(), v.data(), outf.data(), lsef.data(), dout.data(),
+                           dq.data(), dk.data(), dv.data()};
+    js::metal::Plan bplan;
+    e = js::metal::plan_backward(p, bio, &bplan);
+    if (e.empty()) e = js::metal::runner()->run(bplan);
+    CHECK(e.empty(), "backward: %s", e.c_str());
+    std::vector<double> rq(q.size()), rk(k.size()), rv(v.size());
+    for (int b = 0; b < pr.B; ++b)
+      for (int h = 0; h < pr.Hq; ++h)
+        for (int i = 0; i < pr.Lq; ++i) {
+          const int hk = h / G;
+          const size_t row = (size_t(b) * pr.Hq + h) * pr.Lq + i;
+          double delta = 0;
+          for (int c = 0; c < pr.Dv; ++c) delta += double(dout[row * pr.Dv + c]) * outf[row * pr.Dv + c];
+          for (int j = 0; j < pr.Lk; ++j) {
+            const double pj = P[row * pr.Lk + j];
+            if (pj == 0) continue;
+            const size_t kr = (size_t(b) * pr.Hk + hk) * pr.Lk + j;
+            double dp = 0;
+            for (int c = 0; c < pr.Dv; ++c) dp += double(dout[row * pr.Dv + c]) * v[kr * pr.Dv + c];
+            double ds = pj * (dp - delta);
+            if (pr.cap > 0) ds *= 1.0 - TC[row * pr.Lk + j] * TC[row * pr.Lk + j];
+            for (int c = 0; c < pr.D; ++c) {
+              rq[row * pr.D + c] += p.scale * ds * k[kr * pr.D + c];
+              rk[kr * pr.D + c] += p.scale * ds * q[row * pr.D + c];
+            }
+            for (int c = 0; c < pr.Dv; ++c) rv[kr * pr.Dv + c] += pj * dout[row * pr.Dv + c];
+          }
+        }
+    for (size_t x = 0; x < rq.size(); ++x) eb = std::max(eb, std::abs(dq[x] - rq[x]));
+    for (size_t x = 0; x < rk.size(); ++x) eb = std::max(eb, std::abs(dk[x] - rk[x]));
+    for (size_t x = 0; x < rv.size(); ++x) eb = std::max(eb, std::abs(dv[x] - rv[x]));
+    for (float x : dq) eb = std::isnan(x) ? INFINITY : eb;
+    for (float x : dk) eb = std::isnan(x) ? INFINITY : eb;
+    for (float x : dv) eb = std::isnan(x) ? INFINITY : eb;
+  }
   const bool ok = eo < 1e-4 && el < 1e-4 && eb < 1e-3;  // NaN fails every comparison
   CHECK(ok, "attention B=%d Hq=%d Hk=%d Lq=%d Lk=%d D=%d Dv=%d: out %g lse %g bwd %g", pr.B,
         pr.Hq, pr.Hk, pr.Lq, pr.Lk, pr.D, pr.Dv, eo, el, eb);
   std::printf("%s attention B=%d Hq=%d Hk=%d Lq=%d Lk=%d D=%d Dv=%d causal=%d sinks=%d lengths=%d "
-              "kernel=%s splits=%d: out %.1e lse %.1e bwd %.1e\n",
+              "segments=%d cap=%g page=%d/%d %s splits=%d: out %.1e lse %.1e bwd %.1e "
+              "(%d empty rows)\n",
               ok ? "ok  " : "FAIL", pr.B, pr.Hq, pr.Hk, pr.Lq, pr.Lk, pr.D, pr.Dv, pr.causal,
-              pr.sinks, pr.lengths, pr.kernel ? pr.kernel : "auto", pr.splits, eo, el, eb);
+              pr.sinks, pr.lengths, pr.segments, pr.cap, pr.page_size, pr.kv_layout,
+              kernel_ran.c_str(), pr.splits, eo, el, eb, empty_rows);
 }
 
 static void test_bfloat() {
@@ -383,6 +493,21 @@ int main() {
       {1, 4, 1, 3, 53, 128, 96, true, false, true, "decode", 5},
       {1, 2, 1, 1, 45, 512, 512, false, true, false, nullptr, 3},
       {1, 2, 1, 2, 19, 256, 256, true, false, false, "decode", 0},
+      // segment ids (sorted runs, unsorted ids), soft-capping, both together
+      {2, 4, 2, 37, 37, 64, 64, true, false, true, nullptr, 0, 1},
+      {1, 2, 1, 29, 41, 80, 64, false, true, false, "full", 0, 2},
+      {2, 2, 1, 3, 53, 64, 64, false, true, true, nullptr, 0, 1},
+      {1, 4, 2, 5, 45, 128, 128, true, false, false, "decode", 3, 2},
+      {1, 2, 2, 21, 34, 64, 96, true, true, true, nullptr, 0, 0, 2.5},
+      {1, 4, 1, 2, 40, 128, 128, false, false, false, nullptr, 4, 0, 1.0},
+      {2, 2, 1, 33, 33, 64, 64, true, false, true, nullptr, 0, 1, 3.0},
+      {1, 2, 1, 1, 30, 256, 256, false, true, false, nullptr, 0, 1, 5.0},
+      // paged K/V (both layouts, decode and tiled, with segments-free calls only)
+      {2, 4, 2, 1, 64, 64, 64, true, true, true, nullptr, 0, 0, 0.0, 8, 0},
+      {2, 4, 2, 3, 48, 128, 64, true, false, true, nullptr, 3, 0, 0.0, 16, 1},
+      {2, 2, 1, 17, 64, 64, 64, true, true, true, nullptr, 0, 0, 2.0, 16, 0},
+      {1, 4, 4, 9, 96, 64, 64, false, false, true, "full", 0, 0, 0.0, 32, 1},
+      {2, 8, 2, 4, 40, 64, 64, true, true, true, "decode", 2, 0, 4.0, 8, 1},
   };
   for (const Problem& pr : problems) test_attention(pr, rng);
   if (g_failures) {
