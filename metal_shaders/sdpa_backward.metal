@@ -110,7 +110,7 @@ template <typename T, int DMAX, bool CAP>
       if (c < nd) {
         simdgroup_float8x8 kf;
         sdpa_load(kf, kb, p.k_stride[2], j0, kend, c * 8, lane);
-        simdgroup_multiply_accumulate(acc[c], s, kf, acc[c]);
+        sdpa_mma_select(acc[c], s, kf, lane);
       }
     }
   }
@@ -210,12 +210,12 @@ template <typename T, int DMAX, bool CAP>
         if (c < ndv) {
           simdgroup_float8x8 df;
           sdpa_load(df, dob, p.o_stride[2], i0, qend, c * 8, lane);
-          simdgroup_multiply_accumulate(gv[c], pt, df, gv[c]);
+          sdpa_mma_select(gv[c], pt, df, lane);
         }
         if (c < nd) {
           simdgroup_float8x8 qf;
           sdpa_load(qf, qb, p.q_stride[2], i0, qend, c * 8, lane);
-          simdgroup_multiply_accumulate(gk[c], dst, qf, gk[c]);
+          sdpa_mma_select(gk[c], dst, qf, lane);
         }
       }
     }

@@ -206,6 +206,38 @@ METAL_FUNC void sdpa_store(thread simdgroup_float8x8& m, device T* base, long st
   }
 }
 
+// The lane holding fragment element (r, c) (c even: it also holds (r, c + 1)), the inverse
+// of sdpa_frag_row / sdpa_frag_col.
+METAL_FUNC ushort sdpa_frag_lane(int r, int c) {
+  return ushort(((r >> 2) & 1) << 4 | ((c >> 2) & 1) << 3 | (r & 3) << 1 | ((c >> 1) & 1));
+}
+
+// acc += a * b where a zero entry of a (an invisible pair: P or dS selected to 0) contributes
+// nothing even when the b entry it meets is NaN or inf (0 * NaN is NaN): the product runs on b
+// with its non-finite entries zeroed, and only when some lane holds one (rare; the test is one
+// simd_any) those entries are added back, each times its nonzero a entries. So values, keys or
+// queries that a row cannot see never reach its result, as the contract asks.
+METAL_FUNC void sdpa_mma_select(thread simdgroup_float8x8& acc, thread simdgroup_float8x8& a,
+                                thread simdgroup_float8x8& b, uint lane) {
+  const float b0 = b.thread_elements()[0], b1 = b.thread_elements()[1];
+  if (!simd_any(!isfinite(b0) || !isfinite(b1))) {
+    simdgroup_multiply_accumulate(acc, a, b, acc);
+    return;
+  }
+  simdgroup_float8x8 bf;
+  bf.thread_elements()[0] = isfinite(b0) ? b0 : 0.0f;
+  bf.thread_elements()[1] = isfinite(b1) ? b1 : 0.0f;
+  simdgroup_multiply_accumulate(acc, a, bf, acc);
+  const int r = sdpa_frag_row(lane), c = sdpa_frag_col(lane);
+  for (int kk = 0; kk < 8; ++kk) {
+    const float a_rk = simd_shuffle(a.thread_elements()[kk & 1], sdpa_frag_lane(r, kk));
+    for (int e = 0; e < 2; ++e) {
+      const float b_kc = simd_shuffle(b.thread_elements()[e], sdpa_frag_lane(kk, c));
+      if (a_rk != 0.0f && !isfinite(b_kc)) acc.thread_elements()[e] += a_rk * b_kc;
+    }
+  }
+}
+
 // Reductions over the 8 columns of a fragment row: the row's 4 lanes are l, l^1, l^8, l^9.
 METAL_FUNC float sdpa_row_max(float x) {
   x = max(x, simd_shuffle_xor(x, ushort(1)));

@@ -117,7 +117,7 @@ template <typename T, int DMAX, bool CAP>
           simdgroup_float8x8 vf;
           // Keys past kend read as zero: V past the valid length may hold anything.
           sdpa_load_kv(vf, vb, voff[t], c * 8, lane);
-          simdgroup_multiply_accumulate(acc[c], s[t], vf, acc[c]);
+          sdpa_mma_select(acc[c], s[t], vf, lane);  // a hidden key's NaN value stays out
         }
       }
     }
