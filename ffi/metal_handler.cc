@@ -1,5 +1,5 @@
-// XLA FFI handlers of the Metal backend: jax_sdpa_metal_fwd / jax_sdpa_metal_bwd, registered on
-// JAX's "cpu" platform. Decodes and checks the call (ffi/ffi_args.h), builds the launch plan
+// XLA FFI handlers of the Metal backend: jax_sdpa_metal_fwd / _bwd / _paged_fwd, registered
+// on JAX's "cpu" platform. Decodes and checks the call (ffi/ffi_args.h), builds the launch plan
 // (metal_shaders/host_plan.h) and hands it to the platform runner: Metal on macOS
 // (metal_shaders/host_macos.mm), the CPU emulator of the same .metal kernels on Linux
 // (metal_shaders/runner_emulator.cc). Also the nanobind module _sdpa_metal.
@@ -22,6 +22,9 @@ namespace {
 // The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
 // registration below declares them, the handlers refuse every other.
 constexpr uint32_t kServedFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
+// The paged forward reads the pages in place with the same kernels (a paged call has no
+// segment ids; soft-capping is served).
+constexpr uint32_t kPagedServedFeatures = kServedFeatures;
 
 ffi::Error run_plan(const metal::Plan& plan) {
   metal::Runner* r = metal::runner();
@@ -75,8 +78,28 @@ ffi::Error MetalBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::A
   return run_plan(plan);
 }
 
+ffi::Error MetalPagedFwd(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                         ffi::AnyBuffer page_indices, ffi::AnyBuffer kv_lengths,
+                         ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> lse, SdpaAttrs a) {
+  SdpaParams p;
+  SdpaFwdBuffers io;
+  if (auto e = unpack_paged_forward(a, q, k_pages, v_pages, page_indices, kv_lengths, sinks,
+                                    *out, *lse, &p, &io);
+      e.failure())
+    return e;
+  if (auto e = refuse_unserved(p, kPagedServedFeatures, "metal paged"); e.failure()) return e;
+  metal::Plan plan;
+  if (std::string why = metal::plan_forward(p, io, &plan); !why.empty()) return unsupported(why);
+  poison_host_outputs({&*out, &*lse});
+  return run_plan(plan);
+}
+
 }  // namespace
 }  // namespace jax_sdpa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_paged_fwd, jax_sdpa::MetalPagedFwd,
+                              jax_sdpa::bind_sdpa_paged_fwd(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_fwd, jax_sdpa::MetalFwd,
                               jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
@@ -86,6 +109,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_bwd, jax_sdpa::MetalBwd,
 
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_fwd", jax_sdpa_metal_fwd, jax_sdpa::kServedFeatures);
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_bwd", jax_sdpa_metal_bwd, jax_sdpa::kServedFeatures);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_paged_fwd", jax_sdpa_metal_paged_fwd,
+                             jax_sdpa::kPagedServedFeatures);
 
 NB_MODULE(_sdpa_metal, m) {
   m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";
