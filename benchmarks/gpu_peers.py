@@ -114,9 +114,9 @@ def pages_of(k, page_size, seed=1):
 
 # ---- the JAX implementations: each returns (fn(q, k, v), args) or raises Refused ----
 
-def ours(r, args):
+def ours(r, args, implementation=None):
     q, k, v = args
-    kw = {}
+    kw = {"implementation": implementation} if implementation else {}
     if r["segments"]:
         kw["q_segment_ids"] = segment_ids(r)
     if r["softcap"]:
@@ -131,7 +131,7 @@ def ours(r, args):
         lens = jnp.full((r["B"],), r["Lk"], jnp.int32)
         qh = q.transpose(0, 2, 1, 3)
         return (lambda q, kp, vp: jax_sdpa.paged_attention(
-            q, kp, vp, table, lens, kv_layout="PSHD")), (qh, kp, vp)
+            q, kp, vp, table, lens, kv_layout="PSHD", **kw)), (qh, kp, vp)
     causal = r["causal"] and r["Lq"] > 1
     return (lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v, is_causal=causal, **kw)), args
 
@@ -206,7 +206,14 @@ def read_ceiling(r, args):
     return ceiling, (args[0], k, v)
 
 
-JAX_IMPLS = {"jax_sdpa": ours, "jaxnn_cudnn": jaxnn("cudnn"), "jaxnn_xla": jaxnn("xla"),
+def ours_named(implementation):
+    """Our named implementations (not peers): what None chose among, paired in the run."""
+    return lambda r, args: ours(r, args, implementation)
+
+
+JAX_IMPLS = {"jax_sdpa": ours, "jax_sdpa_cuda": ours_named("cuda"),
+             "jax_sdpa_cudnn": ours_named("cudnn"), "jax_sdpa_xla": ours_named("xla"),
+             "jaxnn_cudnn": jaxnn("cudnn"), "jaxnn_xla": jaxnn("xla"),
              "flash_attn3_jax": fa3, "flash_attn_jax": fa2, "read_ceiling": read_ceiling}
 
 
@@ -323,7 +330,7 @@ def summary(rows):
                     vals[impl] = x.get("TFLOP/s", x.get("GB/s"))
             if "jax_sdpa" not in vals:
                 continue
-            peers = {k: v for k, v in vals.items() if k != "jax_sdpa"}
+            peers = {k: v for k, v in vals.items() if not k.startswith("jax_sdpa")}
             best = max(peers, key=peers.get) if peers else None
             ceil = r["results"].get("read_ceiling/fwd", {}).get("GB/s")
             entry = dict(row=r["name"], mode=mode, ours=vals["jax_sdpa"], best_peer=best,
@@ -355,7 +362,8 @@ def main():
     ap.add_argument("--plot", default=None)
     ap.add_argument("--groups", default="prefill,packed,decode,paged")
     ap.add_argument("--rows", default="", help="substrings of row names (comma-separated)")
-    ap.add_argument("--impls", default=",".join(JAX_IMPLS))
+    ap.add_argument("--impls", default=",".join(k for k in JAX_IMPLS if not k.startswith("jax_sdpa_")),
+                    help="also jax_sdpa_cuda, jax_sdpa_cudnn, jax_sdpa_xla: our named implementations")
     ap.add_argument("--torch", default="cudnn,flash,efficient")
     args = ap.parse_args()
     info = versions()
