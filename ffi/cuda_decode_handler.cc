@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "cuda/decode/decode_attention.h"
+#include "cuda/flash/flash_attention.h"
 #include "ffi/registry.h"
 #include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_args.h"
@@ -25,8 +26,11 @@ namespace jax_sdpa {
 namespace {
 
 // The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
-// registration below declares them, the handlers refuse every other.
-constexpr uint32_t kServedFeatures = kNoFeatures;
+// registration below declares them, the handlers refuse every other. A call using one
+// (segment ids, soft-capping) runs the flash forward's feature kernel
+// (cuda/flash/flash_attention.cuh), which serves every shape the decode kernels do; the
+// decode kernels themselves stay feature-free.
+constexpr uint32_t kServedFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
 
@@ -56,6 +60,16 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       e.failure())
     return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
+
+  if (p.features() != 0) {
+    if (const std::string why = cuda_flash::unsupported_reason(p); !why.empty())
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda decode: " + why);
+    (void)cudaGetLastError();
+    // fp32: split-TF32, as accurate as the decode kernels' fp32 FMAs.
+    cudaError_t e = cuda_flash::launch_forward(p, buf, cuda_flash::Fp32Mode::kHighest, stream);
+    if (e != cudaSuccess) return cuda_error("cuda decode", "feature kernel launch", e);
+    return ffi::Error::Success();
+  }
 
   // The workspace (any dtype, read as bytes; the Python side makes it uint8): its
   // 16-byte aligned part is what the plan may use (XLA's buffers are aligned anyway).

@@ -443,7 +443,8 @@ __global__ void __launch_bounds__(256) wide_delta_kernel(const Args a, float* de
   }
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
-  if (lane == 0) delta[r] = acc;
+  // Rows past q length: 0 (their dout may hold anything; P = 0 there must give dS = 0).
+  if (lane == 0) delta[r] = i < clamp_length(f.qlen, b, f.Lq) ? acc : 0.f;
 }
 
 // dq = dq_accum * scale (16-bit, q's strides): one warp per row, 8 columns a lane-step.
