@@ -533,6 +533,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   for (int r = 0; r < 2; ++r) {
     const int j = k0 + warp * 16 + g + 8 * r;
     if (j >= f.Lk) continue;
+    // Keys past kv length: 0, selected (dS = 0 there, but 0 * a NaN query is NaN).
+    const bool past = j >= kvlen;
     float* rk = a.dk + b * f.ks[0] + hk * f.ks[1] + static_cast<int64_t>(j) * f.ks[2];
     float* rv = a.dv + b * f.vs[0] + hk * f.vs[1] + static_cast<int64_t>(j) * f.vs[2];
 #pragma unroll
@@ -540,9 +542,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
       const int c = n * 8 + 2 * t;
       if (c < f.D)
         *reinterpret_cast<float2*>(rk + c) =
-            make_float2(dk[n][2 * r] * f.scale, dk[n][2 * r + 1] * f.scale);
+            make_float2(row_output(dk[n][2 * r], f.scale, past),
+                        row_output(dk[n][2 * r + 1], f.scale, past));
       if (c < f.Dv)
-        *reinterpret_cast<float2*>(rv + c) = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
+        *reinterpret_cast<float2*>(rv + c) =
+            make_float2(row_output(dv[n][2 * r], 1.f, past),
+                        row_output(dv[n][2 * r + 1], 1.f, past));
     }
   }
 }

@@ -364,8 +364,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
     const int r = (u / kUnits) % kBc, c = u % kUnits;
     const int j = k0 + r;
     if (j < f.Lk && c * 8 < (is_k ? f.D : f.Dv)) {
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + (is_k ? kOffO : kOffQ) +
-                                                      r * kStage * 2 + c * 16);
+      // Keys past kv length: 0, selected (dS = 0 there, but 0 * a NaN query is NaN).
+      const uint4 v = j >= kvlen ? make_uint4(0, 0, 0, 0)
+                                 : *reinterpret_cast<const uint4*>(smem + (is_k ? kOffO : kOffQ) +
+                                                                   r * kStage * 2 + c * 16);
       T* dst = is_k ? static_cast<T*>(a.dk) + b * f.ks[0] + hk * f.ks[1] +
                           static_cast<int64_t>(j) * f.ks[2]
                     : static_cast<T*>(a.dv) + b * f.vs[0] + hk * f.vs[1] +
