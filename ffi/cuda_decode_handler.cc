@@ -1,5 +1,6 @@
-// XLA FFI handler `jax_sdpa_cuda_fwd`: our own CUDA decode kernels
-// (cuda/decode_attention.*) behind the forward contract of docs/ffi_contract.md.
+// XLA FFI handlers `jax_sdpa_cuda_fwd`: our own CUDA decode kernels
+// (cuda/decode_attention.*) behind the forward contract of docs/ffi_contract.md, and
+// `jax_sdpa_cuda_paged_fwd`, the same decode shapes over a paged K/V cache.
 // Few-query attention (Lq * Hq/Hk small) over long key/value caches; the
 // backward of these shapes goes to cuDNN or the reference (same lse contract).
 //
@@ -15,6 +16,7 @@
 #include <utility>
 
 #include "cuda/decode/decode_attention.h"
+#include "cuda/flash/flash_attention.h"
 #include "ffi/registry.h"
 #include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_args.h"
@@ -25,8 +27,11 @@ namespace jax_sdpa {
 namespace {
 
 // The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
-// registration below declares them, the handlers refuse every other.
-constexpr uint32_t kServedFeatures = kNoFeatures;
+// registration below declares them, the handlers refuse every other. A call using one
+// (segment ids, soft-capping) runs the flash forward's feature kernel
+// (cuda/flash/flash_attention.cuh), which serves every shape the decode kernels do; the
+// decode kernels themselves stay feature-free.
+constexpr uint32_t kServedFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
 
@@ -57,6 +62,16 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
+  if (p.features() != 0) {
+    if (const std::string why = cuda_flash::unsupported_reason(p); !why.empty())
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_sdpa cuda decode: " + why);
+    (void)cudaGetLastError();
+    // fp32: split-TF32, as accurate as the decode kernels' fp32 FMAs.
+    cudaError_t e = cuda_flash::launch_forward(p, buf, cuda_flash::Fp32Mode::kHighest, stream);
+    if (e != cudaSuccess) return cuda_error("cuda decode", "feature kernel launch", e);
+    return ffi::Error::Success();
+  }
+
   // The workspace (any dtype, read as bytes; the Python side makes it uint8): its
   // 16-byte aligned part is what the plan may use (XLA's buffers are aligned anyway).
   auto ws = workspace->dimensions();
@@ -86,6 +101,46 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   return ffi::Error::Success();
 }
 
+// ---- the paged forward `jax_sdpa_cuda_paged_fwd` ----------------------------------------
+// q, k_pages, v_pages, page_indices, kv_lengths, sinks -> out, lse, workspace (the decode
+// target's third result, unused here) (docs/ffi_contract.md, "Paged KV"). The pages are read
+// in place by the flash forward's feature kernel (cuda/flash/flash_attention.cuh,
+// load_paged_tile): an out-of-range page index makes that page's keys invisible and is never
+// dereferenced, keys past the kv length are never read. Soft-capping is served, segment ids
+// can't reach a paged call.
+constexpr uint32_t kPagedServedFeatures = kFeatureLogitsSoftCap;
+
+template <typename Binding>
+auto bind_paged_fwd(Binding binding) {
+  return bind_sdpa_attrs(
+      bind_sdpa_paged_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());
+}
+
+ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                            ffi::AnyBuffer v_pages, ffi::AnyBuffer page_indices,
+                            ffi::AnyBuffer kv_lengths, ffi::AnyBuffer sinks,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::Result<ffi::AnyBuffer> workspace, SdpaAttrs attrs) {
+  (void)workspace;
+  SdpaParams p;
+  SdpaFwdBuffers buf;
+  if (auto e = unpack_paged_forward(attrs, q, k_pages, v_pages, page_indices, kv_lengths, sinks,
+                                    *out, *lse, &p, &buf);
+      e.failure())
+    return e;
+  if (auto e = refuse_unserved(p, kPagedServedFeatures, "cuda paged"); e.failure()) return e;
+  if (auto e = refuse_or_poison("cuda paged", cuda_flash::unsupported_reason(p), stream,
+                                {&*out, &*lse});
+      e.failure())
+    return e;
+  if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
+  (void)cudaGetLastError();
+  // fp32: split-TF32, as accurate as the decode kernels' fp32 FMAs.
+  cudaError_t e = cuda_flash::launch_forward(p, buf, cuda_flash::Fp32Mode::kHighest, stream);
+  if (e != cudaSuccess) return cuda_error("cuda paged", "kernel launch", e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_sdpa
 
@@ -97,3 +152,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd,
                              jax_sdpa::kServedFeatures);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_sdpa_cuda_paged_fwd, jax_sdpa::CudaPagedFwdImpl,
+    jax_sdpa::bind_paged_fwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_paged_fwd", jax_sdpa_cuda_paged_fwd,
+                             jax_sdpa::kPagedServedFeatures);

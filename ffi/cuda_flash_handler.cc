@@ -24,8 +24,9 @@ namespace jax_sdpa {
 namespace {
 
 // The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
-// registration below declares them, the handlers refuse every other.
-constexpr uint32_t kServedFeatures = kNoFeatures;
+// registration below declares them, the handlers refuse every other. Segment ids and
+// soft-capping run the generic kernels' feature instantiations (cuda/flash/flash_attention*.cuh).
+constexpr uint32_t kServedFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
 

@@ -564,3 +564,63 @@ def test_explain_and_refusals(key):
     qb = q.astype(jnp.bfloat16)
     ex = jax_sdpa.explain(qb, qb, qb, mask="causal")
     assert ex.chosen in ("cudnn", "cuda"), str(ex)
+
+
+# ---------------------------------------------------------------------------
+# NaN semantics around cuDNN (docs/ffi_contract.md "NaN"): what cuDNN itself does with a
+# NaN is measured here, on the GPU, against the float64 contract (tests/cuda_oracle.py): a
+# visible NaN logit makes its row NaN, other rows stay finite, keys / values past the kv
+# length and queries past the q length never reach an output or a gradient, gradients of a
+# NaN row are NaN. (The handler keeps a NaN lse row and a NaN backward stat; docs/cudnn.md.)
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["lengths", "lengths+bool-mask"])
+def test_nan_rows_and_nan_past_lengths(dtype, masked):
+    from cuda_oracle import as_f64, assert_matches, oracle
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    b, hq, hk, lq, lk, d = 2, 4, 2, 70, 90, 64
+    q = rng.standard_normal((b, hq, lq, d))
+    k = rng.standard_normal((b, hk, lk, d))
+    v = rng.standard_normal((b, hk, lk, d))
+    dout = rng.standard_normal((b, hq, lq, d))
+    ql = np.array([lq, lq - 2], np.int32)
+    kvl = np.array([lk - 7, lk // 2], np.int32)
+    q[0, 1, lq - 1, 3] = np.nan               # one visible NaN logit row
+    k[0, :, lk - 3, :] = np.nan               # past kv length of batch row 0
+    v[1, :, lk // 2 + 1:, :] = np.nan         # past kv length of batch row 1
+    q[1, 1, lq - 1, :] = np.nan               # past q length of batch row 1
+    dout[1, 1, lq - 1, :] = np.nan
+    cast = lambda x: jnp.asarray(x, DT[dtype])  # noqa: E731
+    qj, kj, vj, dj = cast(q), cast(k), cast(v), cast(dout)
+    scale = 1.0 / np.sqrt(d)
+    mask = None
+    if masked:  # a bool mask that hides nothing the lengths keep: the mask -> bias path
+        mask = jnp.ones((1, 1, lq, lk), bool)
+    out, lse = jax.jit(lambda q, k, v: ffi_fwd(q, k, v, mask, None, jnp.asarray(ql),
+                                               jnp.asarray(kvl), scale=scale))(qj, kj, vj)
+    want = oracle(as_f64(qj), as_f64(kj), as_f64(vj), as_f64(dj), scale=scale, ql=ql, kvl=kvl)
+    tol = {"bfloat16": 3e-2, "float16": 6e-3}[dtype]
+    assert_matches(out, want[0], tol, "cudnn out")
+    assert_matches(lse, want[1], 2e-3, "cudnn lse")
+    grads = jax.jit(lambda *x: ffi_bwd(*x, mask, None, jnp.asarray(ql), jnp.asarray(kvl),
+                                       scale=scale))(qj, kj, vj, out, lse, dj)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert_matches(g, w, 2 * tol, "cudnn " + name)
+
+
+@gpu
+def test_nan_in_every_row_of_a_head_without_lengths():
+    """No lengths, no mask (the fix-ups do not run): cuDNN's raw rows. A NaN in one key
+    makes every row of its kv head's group NaN; the other heads stay finite."""
+    from cuda_oracle import as_f64, assert_matches, oracle
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    b, hq, hk, lq, lk, d = 1, 4, 2, 64, 64, 64
+    q, k, v = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, d)))
+    k[0, 1, 5, 7] = np.nan
+    qj, kj, vj = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    out, lse = jax.jit(lambda q, k, v: ffi_fwd(q, k, v, scale=0.125))(qj, kj, vj)
+    want = oracle(as_f64(qj), as_f64(kj), as_f64(vj), scale=0.125)
+    assert np.isnan(want[0][0, 2:]).all() and np.isfinite(want[0][0, :2]).all()
+    assert_matches(out, want[0], 3e-2, "cudnn out")
+    assert_matches(lse, want[1], 2e-3, "cudnn lse")

@@ -90,7 +90,8 @@ __global__ void fix_forward_rows_kernel(SdpaParams p, void* out, float* lse) {
       const int64_t offset = diagonal_offset(p.bottom_right, qlen, kvlen);
       const KeyRange keys = band_keys(i, offset, p.window_left, p.window_right, kvlen);
       const float l = lse[r];
-      const bool has_keys = keys.last > keys.first && l > -1e30f && l < INFINITY;  // NaN fails too
+      // A NaN lse (a visible NaN logit) is kept with cuDNN's row: the contract's NaN row.
+      const bool has_keys = keys.last > keys.first && (l != l || (l > -1e30f && l < INFINITY));
       if (has_keys) continue;
       if (p.sinks != nullptr) value = p.sinks[b * p.sinks_batch_stride + h];
     }
@@ -104,7 +105,7 @@ __global__ void stats_for_backward_kernel(const float* lse, int64_t n, float* ou
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float l = lse[i];
-    out[i] = (l > -INFINITY) ? l : FLT_MAX;  // -inf and NaN -> FLT_MAX
+    out[i] = l == -INFINITY ? FLT_MAX : l;  // -inf -> FLT_MAX (P = 0); NaN stays: NaN gradients
   }
 }
 

@@ -25,12 +25,13 @@ cudaError_t mask_to_bias(const SdpaParams& p, int64_t mask_b, int64_t mask_h, vo
 
 // After the cuDNN forward: query rows i >= qlen, and rows with no visible key,
 // get out = 0 and lse = -inf (the sink's logit when there are sinks and the row
-// is in range). Rows whose lse is -inf, NaN or below -1e30 (everything masked)
-// count as having no visible key.
+// is in range). Rows whose lse is -inf or below -1e30 (everything masked) count as
+// having no visible key; a NaN lse (a visible NaN logit) keeps cuDNN's row.
 cudaError_t fix_forward_rows(const SdpaParams& p, void* out, float* lse, cudaStream_t stream);
 
-// Stats for the cuDNN backward: lse, with -inf / NaN (rows with nothing) replaced
-// by +FLT_MAX so that cuDNN's P = exp(s - stats) is 0 there instead of NaN.
+// Stats for the cuDNN backward: lse, with -inf (rows with nothing) replaced by +FLT_MAX
+// so that cuDNN's P = exp(s - stats) is 0 there instead of NaN; a NaN lse stays NaN (the
+// contract's NaN gradients of a NaN row).
 cudaError_t stats_for_backward(const float* lse, int64_t n, float* out, cudaStream_t stream);
 
 // Zeroes rows l >= len of a [B, H, L, D] tensor with (batch, head, position)

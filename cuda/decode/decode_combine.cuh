@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(128, 4) combine_kernel(const Args a) {
     M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
   float L = 0.f;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (M != -INFINITY) {
+  {  // also when M = -inf: a NaN split lse (max skips it) must make L NaN
     const float* src = a.part_o + grow * DV + 4 * c;
     const int64_t sstride = a.rows * DV;
 #pragma unroll 4
@@ -72,8 +72,7 @@ __global__ void __launch_bounds__(128, 4) combine_kernel(const Args a) {
   float scale, lse_out;
   row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse_out);
   if (c == 0) a.lse[grow] = lse_out;
-  store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
-            make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
+  store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c, scaled_row(o, scale));
 }
 
 }  // namespace cuda_decode

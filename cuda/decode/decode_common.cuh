@@ -26,6 +26,7 @@
 #include "cuda/common/device_helpers.cuh"
 #include "cuda/common/kernel_args.h"
 #include "cuda/common/mma_helpers.cuh"
+#include "cuda/common/softmax_rules.cuh"
 #include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
@@ -145,6 +146,10 @@ __device__ __forceinline__ void row_normalizer(const Args& a, int b, int h, int 
   *lse = -INFINITY;
   if (i >= qlen) return;
   const float sk = a.sinks != nullptr ? a.sinks[b * a.sinks_bs + h] * kLog2e : -INFINITY;
+  if (L != L || sk != sk) {  // a visible NaN score (max skips NaN, the sum keeps it) or sink
+    *scale = *lse = __int_as_float(0x7fc00000);
+    return;
+  }
   const float M2 = fmaxf(M, sk);
   if (M2 == -INFINITY) return;
   const float fo = (M == -INFINITY) ? 0.f : exp2f(M - M2);
@@ -153,6 +158,13 @@ __device__ __forceinline__ void row_normalizer(const Args& a, int b, int h, int 
     *scale = __fdividef(fo, L2);  // L2 in [tiny, 2^32]: no IEEE slow-path call
     *lse = (M2 + log2f(L2)) * kLn2;
   }
+}
+
+// o * scale, or 0 where scale is 0 (an empty row, a row past q length): selected, so a NaN
+// that reached o through P = 0 stays out.
+__device__ __forceinline__ float4 scaled_row(float4 o, float scale) {
+  if (scale == 0.f) return make_float4(0.f, 0.f, 0.f, 0.f);
+  return make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale);
 }
 
 // Four consecutive outputs (dst 4-element aligned: every built Dv is a multiple of 4).
@@ -185,9 +197,11 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
   const bool idle = XW > 0 && threadIdx.x >= nthreads;
   __shared__ float s_coef[16][W];
   __shared__ int64_t s_dst[16];  // element offset of the row's dv 0 in out / part_o; -1: none
+  __shared__ bool s_zero[16];    // the row's (partial) output is 0: selected, not multiplied
   if (threadIdx.x < RB) {
     const int rr = threadIdx.x, r = r0 + rr;
     int64_t dst = -1;
+    bool zero = true;
     float f[W];
 #pragma unroll
     for (int w = 0; w < W; ++w) f[w] = 0.f;
@@ -198,14 +212,14 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
       float M = -INFINITY;
 #pragma unroll
       for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
+      // Not skipped when M = -inf: a warp whose scores were all NaN has max -inf and a NaN
+      // sum, which must reach L (f = 0 there, and 0 * NaN is NaN).
       float L = 0.f;
-      if (M != -INFINITY) {
 #pragma unroll
-        for (int w = 0; w < W; ++w) {
-          const float mw = red_m[w * 16 + rr];
-          f[w] = mw == -INFINITY ? 0.f : exp2f(mw - M);
-          L += f[w] * red_l[w * 16 + rr];
-        }
+      for (int w = 0; w < W; ++w) {
+        const float mw = red_m[w * 16 + rr];
+        f[w] = mw == -INFINITY ? 0.f : exp2f(mw - M);
+        L += f[w] * red_l[w * 16 + rr];
       }
       float scale, lse;
       if (a.nsplit == 1) {
@@ -214,16 +228,19 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
         dst = out_offset(a, b, h, i);
       } else {
         const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
-        scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
-        a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+        const bool empty = cuda_common::softmax_row_empty(L);  // a NaN L is not
+        scale = empty ? 0.f : __fdividef(1.f, L);
+        a.part_lse[pr] = empty ? -INFINITY : M + log2f(L);
         dst = pr * DV;
       }
+      zero = scale == 0.f;
 #pragma unroll
       for (int w = 0; w < W; ++w) f[w] *= scale;
     }
 #pragma unroll
     for (int w = 0; w < W; ++w) s_coef[rr][w] = f[w];
     s_dst[rr] = dst;
+    s_zero[rr] = zero;
   }
   __syncthreads();
   constexpr int DV4 = DV / 4;
@@ -232,14 +249,16 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
     const int64_t dst = s_dst[rr];
     if (dst < 0) continue;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!s_zero[rr]) {
 #pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float cw = s_coef[rr][w];
-      const float4 x = *reinterpret_cast<const float4*>(red_o + (w * 16 + rr) * DV + 4 * c);
-      o.x = fmaf(cw, x.x, o.x);
-      o.y = fmaf(cw, x.y, o.y);
-      o.z = fmaf(cw, x.z, o.z);
-      o.w = fmaf(cw, x.w, o.w);
+      for (int w = 0; w < W; ++w) {
+        const float cw = s_coef[rr][w];
+        const float4 x = *reinterpret_cast<const float4*>(red_o + (w * 16 + rr) * DV + 4 * c);
+        o.x = fmaf(cw, x.x, o.x);
+        o.y = fmaf(cw, x.y, o.y);
+        o.z = fmaf(cw, x.z, o.z);
+        o.w = fmaf(cw, x.w, o.w);
+      }
     }
     if (a.nsplit == 1)
       store4<T>(reinterpret_cast<T*>(a.out) + dst + 4 * c, o);
@@ -286,7 +305,8 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
       float L = 0.f;
       for (int sp = lane; sp < a.nsplit; sp += 32) {
         const float ls = __ldcg(a.part_lse + sp * a.rows + grow);
-        const float wgt = (M == -INFINITY || ls == -INFINITY) ? 0.f : exp2f(ls - M);
+        // M = -inf with a NaN ls (a split of a NaN row): the weight is NaN, never 0.
+        const float wgt = ls == -INFINITY ? 0.f : exp2f(ls - M);
         wts[rr * a.nsplit + sp] = wgt;
         L += wgt;
       }
@@ -323,7 +343,7 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
     row_normalizer(a, b, h, i, qlen, rowM[rr], rowL[rr], &scale, &lse);
     if (c == 0) a.lse[grow] = lse;
     store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
-              make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
+              scaled_row(o, scale));
   }
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;  // ready for the next call on this stream
 }

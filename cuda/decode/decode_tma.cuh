@@ -213,7 +213,8 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       const float mw = red_m[w * 16 + rr];
-      const float f = (M == -INFINITY || mw == -INFINITY) ? 0.f : exp2f(mw - M);
+      // M = -inf too: a warp of NaN scores (max -inf, NaN sum) must make L NaN.
+      const float f = mw == -INFINITY ? 0.f : exp2f(mw - M);
       s_coef[rr][w] = f;
       L += f * red_l[w * 16 + rr];
     }
@@ -248,10 +249,10 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
     for (int k = 0; k < C; ++k) M = fmaxf(M, cluster.map_shared_rank(pm, k)[rr]);
     float L = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (M != -INFINITY) {
+    {  // also when M = -inf: a block of a NaN row has max -inf and a NaN sum
       for (int k = 0; k < C; ++k) {
         const float mk = cluster.map_shared_rank(pm, k)[rr];
-        if (mk == -INFINITY) continue;
+        if (mk == -INFINITY && cluster.map_shared_rank(pl, k)[rr] == 0.f) continue;
         const float wk = exp2f(mk - M);
         L = fmaf(wk, cluster.map_shared_rank(pl, k)[rr], L);
         const float4 x =
@@ -269,7 +270,7 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
     row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);
     if (c == 0) a.lse[grow] = lse;
     store4<T>(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i) + 4 * c,
-              make_float4(o.x * scale, o.y * scale, o.z * scale, o.w * scale));
+              scaled_row(o, scale));
   }
   cluster.sync();  // no block leaves while the others still read its partial
 }

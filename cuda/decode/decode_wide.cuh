@@ -110,8 +110,9 @@ __device__ __forceinline__ void wide_finish_row(const Args& a, int b, int kvh, i
     put(reinterpret_cast<T*>(a.out) + out_offset(a, b, h, i), scale);
   } else {
     const int64_t pr = static_cast<int64_t>(split) * a.rows + grow;
-    const float scale = L > 0.f ? __fdividef(1.f, L) : 0.f;
-    if (stats_writer) a.part_lse[pr] = L > 0.f ? M + log2f(L) : -INFINITY;
+    const bool empty = cuda_common::softmax_row_empty(L);  // a NaN L is not
+    const float scale = empty ? 0.f : __fdividef(1.f, L);
+    if (stats_writer) a.part_lse[pr] = empty ? -INFINITY : M + log2f(L);
     put(a.part_o + pr * DV, scale);
   }
 }
@@ -137,8 +138,9 @@ __device__ __forceinline__ void wide_store(const Args& a, const float (&acc)[NVC
                              for (int c = 0; c < NVC; ++c)
 #pragma unroll
                                for (int j = 0; j < 4; ++j) {
-                                 const float x0 = acc[c][j][q] * scale;
-                                 const float x1 = acc[c][j][q + 2] * scale;
+                                 // scale 0: 0 selected (a NaN through P = 0 stays out)
+                                 const float x0 = scale == 0.f ? 0.f : acc[c][j][q] * scale;
+                                 const float x1 = scale == 0.f ? 0.f : acc[c][j][q + 2] * scale;
                                  if constexpr (std::is_same_v<decltype(dst), float*>)
                                    *reinterpret_cast<float2*>(dst + dv_of(c, j)) =
                                        make_float2(x0, x1);

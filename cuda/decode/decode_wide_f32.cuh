@@ -209,8 +209,9 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
     wide_finish_row<float, DV>(a, b, kvh, r0, rr, split, qlen, M, L, w == 0 && cv == 0,
                                [&](float* dst, float scale) {
                                  *reinterpret_cast<float4*>(dst + w * Cfg::DVW + 4 * cv) =
-                                     make_float4(acc[r][0] * scale, acc[r][1] * scale,
-                                                 acc[r][2] * scale, acc[r][3] * scale);
+                                     scaled_row(make_float4(acc[r][0], acc[r][1],
+                                                            acc[r][2], acc[r][3]),
+                                                scale);
                                });
   }
 }

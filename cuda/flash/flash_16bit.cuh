@@ -13,8 +13,9 @@ namespace cuda_flash {
 template <typename T>
 cudaError_t launch_forward_16(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream) {
   // Head dims in (256, 512]: on sm_90a the wgmma kernel (flash_fwd_wgmma.cu), elsewhere
-  // (or with JAX_SDPA_FLASH_WGMMA=0) the wide-head kernel (flash_fwd_wide.cuh).
-  if (fast_kernels_enabled()) {
+  // (or with JAX_SDPA_FLASH_WGMMA=0) the wide-head kernel (flash_fwd_wide.cuh). Calls using
+  // a contract feature (segment ids, soft-capping) run the generic kernel's kFeat version.
+  if (fast_kernels_enabled() && p.features() == 0 && !p.paged()) {
     cudaError_t e = launch_forward_wgmma(p, buf, stream);
     if (e != cudaErrorNotSupported) return e;
     e = wide::launch_forward_wide<T>(p, buf, stream);
@@ -27,8 +28,8 @@ cudaError_t launch_forward_16(const SdpaParams& p, const SdpaFwdBuffers& buf, cu
 template <typename T>
 cudaError_t launch_backward_16(const SdpaParams& p, const SdpaBwdBuffers& buf, float* delta,
                                  float* dq_accum, cudaStream_t stream) {
-  // Head dims in (256, 512]: the wide-head backward (flash_bwd_wide.cuh).
-  if (fast_kernels_enabled()) {
+  // Head dims in (256, 512]: the wide-head backward (flash_bwd_wide.cuh); features: generic.
+  if (fast_kernels_enabled() && p.features() == 0 && !p.paged()) {
     const cudaError_t e = launch_backward_wide(p, buf, delta, dq_accum, stream);
     if (e != cudaErrorNotSupported) return e;
   }

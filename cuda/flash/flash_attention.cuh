@@ -32,6 +32,7 @@
 #include "cuda/common/device_helpers.cuh"
 #include "cuda/common/kernel_args.h"
 #include "cuda/common/mma_helpers.cuh"
+#include "cuda/common/softmax_rules.cuh"
 #include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
@@ -52,6 +53,7 @@ struct FwdArgs {
   JAX_SDPA_KERNEL_STRIDE_FIELDS
   float scale;
   JAX_SDPA_KERNEL_MASK_FIELDS
+  JAX_SDPA_KERNEL_FEATURE_FIELDS  // read only by the kFeat instantiations of the generic kernels
 };
 
 // ---- device helpers -------------------------------------------------------------
@@ -73,6 +75,12 @@ using cuda_common::mma_tf32;
 using cuda_common::mma_tf32x3;
 using cuda_common::round_tf32;
 using cuda_common::to_tf32;
+using cuda_common::row_output;
+using cuda_common::same_segment_ids;
+using cuda_common::segments_may_meet;
+using cuda_common::soft_capped;
+using cuda_common::softmax_row_empty;
+using cuda_common::physical_page;
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
@@ -139,6 +147,32 @@ __device__ __forceinline__ void load_tile(char* smem, int sstride, const T* g, i
     const int c = (x - r * vecs_per_row) * kVec;
     const bool ok = r < valid_rows && c0 + c < valid_cols;
     const T* src = ok ? g + r * gstride + c0 + c : g;
+    cp_async16(smem + r * sstride + c * static_cast<int>(sizeof(T)), src, ok);
+  }
+}
+
+// load_tile for paged K or V: row r is key kb + r, at base (the kv head's offset) + page *
+// st[0] + slot * st[2] (table: the batch row's page-table row). Keys >= kvlen and keys of an
+// out-of-range page are zero, never read.
+template <typename T>
+__device__ __forceinline__ void load_paged_tile(char* smem, int sstride, const T* base,
+                                                const int64_t (&st)[3], const int32_t* table,
+                                                int page_size, int num_pages, int kb, int nrows,
+                                                int kvlen, int c0, int ncols, int valid_cols) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int vecs_per_row = ncols / kVec;
+  const int total = nrows * vecs_per_row;
+  for (int x = threadIdx.x; x < total; x += kThreads) {
+    const int r = x / vecs_per_row;
+    const int c = (x - r * vecs_per_row) * kVec;
+    const int j = kb + r;
+    const T* src = base;
+    bool ok = j < kvlen && c0 + c < valid_cols;
+    if (ok) {
+      const int page = physical_page(table, page_size, num_pages, j);
+      ok = page >= 0;
+      if (ok) src = base + page * st[0] + static_cast<int64_t>(j % page_size) * st[2] + c0 + c;
+    }
     cp_async16(smem + r * sstride + c * static_cast<int>(sizeof(T)), src, ok);
   }
 }
@@ -221,7 +255,9 @@ __device__ __forceinline__ float visible_score(const FwdArgs& a, int b, int h, i
 
 // ---- the forward kernel -------------------------------------------------------------
 
-template <typename T, int kMode, int kDVC>
+// kFeat: the instantiation that serves the contract features (segment ids, soft-capping;
+// FwdArgs' feature fields); the others never read them.
+template <typename T, int kMode, int kDVC, bool kFeat>
 __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
   constexpr int kNT = kBN / 8;   // n8 tiles of S per warp
   constexpr int kOT = kDVC / 8;  // n8 tiles of O per warp
@@ -249,8 +285,11 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
   const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
 
   const T* Q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
-  const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
-  const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
+  // Paged K/V (kFeat only): the kv head's offset in the page pool; rows come per page.
+  const bool paged = kFeat && a.pages != nullptr;
+  const int32_t* table = paged ? a.pages + static_cast<int64_t>(b) * a.pages_per_seq : nullptr;
+  const T* K = static_cast<const T*>(a.k) + (paged ? 0 : b * a.ks[0]) + hk * a.ks[1];
+  const T* V = static_cast<const T*>(a.v) + (paged ? 0 : b * a.vs[0]) + hk * a.vs[1];
 
   // Keys any valid row of the tile may see (band + kv length): block skipping.
   int key_lo, key_hi;
@@ -281,6 +320,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
 
   const int kb_begin = (key_lo / kBN) * kBN;
   for (int kb = kb_begin; kb < key_hi; kb += kBN) {
+    // Segment ids: skip a key block no row of the tile shares a segment with (every warp
+    // computes the same answer, so the whole block skips; nothing of the block is in flight).
+    if constexpr (kFeat) {
+      if (!segments_may_meet(a.qseg, a.kvseg, b, a.Lq, a.Lk, q0, min(q0 + kBM, qlen), kb,
+                             min(kb + kBN, kvlen)))
+        continue;
+    }
     const int kvalid = kvlen - kb;  // keys >= kvlen are zero-filled
     float s[kNT][4];
 #pragma unroll
@@ -292,12 +338,20 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
     for (int d0 = 0; d0 < a.D; d0 += kDK) {
       const int dk = min(kDK, a.D - d0);
       __syncthreads();  // previous users of sK are done
-      load_tile<T>(sK, k_stride_b, K + static_cast<int64_t>(kb) * a.ks[2], a.ks[2], kBN, kvalid,
-                   d0, dk, a.D);
-      // Last chunk: also start V's copy (overlaps the last S chunk).
-      if (d0 + kDK >= a.D)
-        load_tile<T>(sV, v_stride_b, V + static_cast<int64_t>(kb) * a.vs[2], a.vs[2], kBN,
-                     kvalid, c0v, kDVC, a.Dv);
+      if (paged) {
+        load_paged_tile<T>(sK, k_stride_b, K, a.ks, table, a.page_size, a.num_pages, kb, kBN,
+                           kvlen, d0, dk, a.D);
+        if (d0 + kDK >= a.D)
+          load_paged_tile<T>(sV, v_stride_b, V, a.vs, table, a.page_size, a.num_pages, kb, kBN,
+                             kvlen, c0v, kDVC, a.Dv);
+      } else {
+        load_tile<T>(sK, k_stride_b, K + static_cast<int64_t>(kb) * a.ks[2], a.ks[2], kBN,
+                     kvalid, d0, dk, a.D);
+        // Last chunk: also start V's copy (overlaps the last S chunk).
+        if (d0 + kDK >= a.D)
+          load_tile<T>(sV, v_stride_b, V + static_cast<int64_t>(kb) * a.vs[2], a.vs[2], kBN,
+                       kvalid, c0v, kDVC, a.Dv);
+      }
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -348,6 +402,12 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
           if (a.wr >= 0 && dd > a.wr) vis = false;
         }
         float x = s[n][e] * a.scale;
+        if constexpr (kFeat) {
+          if (a.soft_cap > 0.f) x = soft_capped(x, a.soft_cap);
+          vis = vis && same_segment_ids(a.qseg, a.kvseg, b, a.Lq, a.Lk, i, j);
+          // A key of an out-of-range page is invisible (its zero-filled row never counts).
+          if (paged && vis) vis = physical_page(table, a.page_size, a.num_pages, j) >= 0;
+        }
         if (vis) x += mask_value(a, b, h, i, j, &vis);
         x = vis ? x : -INFINITY;
         s[n][e] = x;
@@ -431,22 +491,23 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
       __syncwarp();
     }
   }
-  if (key_hi <= kb_begin) cp_async_wait<0>();  // no key block: Q's copy is still in flight
+  // No key block ran (or, with segment ids, every one was skipped): Q's copy is in flight.
+  if (kFeat || key_hi <= kb_begin) cp_async_wait<0>();
 
   // ---- epilogue: normalize, write out (and lse from the first Dv chunk) ----
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row[r];
     if (i >= a.Lq) continue;
-    const bool empty = !(l[r] > 0.f) || m[r] == -INFINITY;
+    const bool empty = softmax_row_empty(l[r]) || i >= qlen;
     const float inv = empty ? 0.f : 1.f / l[r];
     T* O = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + static_cast<int64_t>(i) * a.os[2];
 #pragma unroll
     for (int n = 0; n < kOT; ++n) {
       const int c = c0v + n * 8 + 2 * t;
       if (c < a.Dv) {  // Dv is a multiple of 8: c + 1 < Dv too
-        O[c] = from_float<T>(acc[n][2 * r] * inv);
-        O[c + 1] = from_float<T>(acc[n][2 * r + 1] * inv);
+        O[c] = from_float<T>(row_output(acc[n][2 * r], inv, empty));
+        O[c + 1] = from_float<T>(row_output(acc[n][2 * r + 1], inv, empty));
       }
     }
     if (dv_chunk == 0 && t == 0)
@@ -465,6 +526,7 @@ inline size_t fwd_smem_bytes(int D, int elem_size, int dvc) {
 inline FwdArgs make_fwd_args(const SdpaParams& p, const SdpaFwdBuffers& buf, int dvc) {
   FwdArgs a{};
   cuda_common::set_call_fields(p, buf, &a);
+  cuda_common::set_feature_fields(p, &a);
   a.B = static_cast<int>(p.batch);
   a.Hq = static_cast<int>(p.heads_q);
   a.G = static_cast<int>(p.group());
@@ -477,11 +539,13 @@ inline FwdArgs make_fwd_args(const SdpaParams& p, const SdpaFwdBuffers& buf, int
   return a;
 }
 
+// The generic forward; the kFeat instantiation where the call uses a contract feature.
 template <typename T, int kMode, int kDVC>
 cudaError_t launch_fwd_t(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t stream) {
   const FwdArgs a = make_fwd_args(p, buf, kDVC);
   const size_t smem = fwd_smem_bytes(a.D, static_cast<int>(sizeof(T)), kDVC);
-  auto kernel = flash_fwd_kernel<T, kMode, kDVC>;
+  auto kernel = (p.features() != 0 || p.paged()) ? flash_fwd_kernel<T, kMode, kDVC, true>
+                                                 : flash_fwd_kernel<T, kMode, kDVC, false>;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;

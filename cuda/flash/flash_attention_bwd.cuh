@@ -132,10 +132,12 @@ __device__ __forceinline__ void block_pc(float (&acc)[8][4], const float (&p)[8]
   }
 }
 
-// Visibility of key j to query i (lengths, band, masks) and the masked score.
+// Visibility of key j to query i (lengths, band, masks; kFeat: segment ids) and the masked
+// score (kFeat: soft-capped first, *dcap = d(capped)/d(scaled) = 1 - tanh^2; else 1).
+template <bool kFeat>
 __device__ __forceinline__ bool visible_score(const FwdArgs& a, int b, int h, int i, int j,
                                               int qlen, int kvlen, int64_t offset, float raw,
-                                              float* score) {
+                                              float* score, float* dcap) {
   bool vis = i < qlen && j < kvlen;
   if (vis) {
     const int64_t dd = static_cast<int64_t>(j) - (i + offset);
@@ -143,9 +145,30 @@ __device__ __forceinline__ bool visible_score(const FwdArgs& a, int b, int h, in
     if (a.wr >= 0 && dd > a.wr) vis = false;
   }
   float x = raw * a.scale;
+  *dcap = 1.f;
+  if constexpr (kFeat) {
+    if (a.soft_cap > 0.f) {
+      const float th = tanhf(x * (1.f / a.soft_cap));
+      x = a.soft_cap * th;
+      *dcap = 1.f - th * th;
+    }
+    vis = vis && same_segment_ids(a.qseg, a.kvseg, b, a.Lq, a.Lk, i, j);
+  }
   if (vis) x += mask_value(a, b, h, i, j, &vis);
   *score = x;
   return vis;
+}
+
+// The backward's P and dS of one visible-or-not score: P = exp(min(x - lse, 0)) where
+// visible (NaN when lse is), dS = P (dP - delta) selected (0 where hidden, so a hidden key's
+// NaN dP stays out); *ds_scores takes dS * dcap (the soft cap's chain rule, for dQ and dK).
+__device__ __forceinline__ float backward_p(bool vis, float x, float lse, float dp,
+                                            float delta, float dcap, float* ds_scores) {
+  const bool live = vis && lse != -INFINITY;
+  const float d = x - lse;  // not fminf: it would drop a NaN
+  const float p = live ? expf(d > 0.f ? 0.f : d) : 0.f;
+  *ds_scores = live ? p * (dp - delta) * dcap : 0.f;
+  return p;
 }
 
 template <typename T>
@@ -164,10 +187,11 @@ __global__ void __launch_bounds__(kThreads) flash_delta_kernel(BwdArgs a) {
   for (int c = lane; c < a.f.Dv; c += 32) acc += to_float<T>(o[c]) * to_float<T>(d[c]);
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
-  if (lane == 0) a.delta[r] = acc;
+  // Rows past q length: 0 (their dout may hold anything; P = 0 there must give dS = 0).
+  if (lane == 0) a.delta[r] = i < clamp_length(a.f.qlen, b, a.f.Lq) ? acc : 0.f;
 }
 
-template <typename T, int kMode>
+template <typename T, int kMode, bool kFeat>
 __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) {
   extern __shared__ __align__(16) char smem[];
   constexpr int st = kTileStrideB(sizeof(T));
@@ -211,7 +235,13 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) 
     const float* lse = ba.lse + (static_cast<int64_t>(b) * a.Hq + h) * a.Lq;
     const float* delta = ba.delta + (static_cast<int64_t>(b) * a.Hq + h) * a.Lq;
     for (int64_t qb = (i_lo / kBM) * kBM; qb < i_hi; qb += kBM) {
-      const int qv = static_cast<int>(a.Lq - qb < kBM ? a.Lq - qb : kBM);
+      // Query rows past qlen are zero-filled: never read into dK / dV (qb < i_hi <= qlen).
+      const int qv = static_cast<int>(qlen - qb < kBM ? qlen - qb : kBM);
+      if constexpr (kFeat) {
+        if (!segments_may_meet(a.qseg, a.kvseg, b, a.Lq, a.Lk, static_cast<int>(qb),
+                               static_cast<int>(qb) + qv, k0, k0 + kvalid))
+          continue;
+      }
       float s[8][4], dp[8][4];
 #pragma unroll
       for (int n = 0; n < 8; ++n)
@@ -227,12 +257,12 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) 
         for (int e = 0; e < 4; ++e) {
           const int j = k0 + warp * 16 + g + (e >= 2 ? 8 : 0);
           const int i = static_cast<int>(qb) + n * 8 + 2 * t + (e & 1);
-          float x;
-          const bool vis = visible_score(a, b, h, i, j, qlen, kvlen, offset, s[n][e], &x);
-          const float l = vis ? lse[i] : -INFINITY;
-          const float p = (vis && l != -INFINITY) ? expf(x - l) : 0.f;
-          s[n][e] = p;
-          dp[n][e] = p * (dp[n][e] - (vis ? delta[i] : 0.f));
+          float x, dcap, ds;
+          const bool vis =
+              visible_score<kFeat>(a, b, h, i, j, qlen, kvlen, offset, s[n][e], &x, &dcap);
+          s[n][e] = backward_p(vis, x, vis ? lse[i] : -INFINITY, dp[n][e],
+                               vis ? delta[i] : 0.f, dcap, &ds);
+          dp[n][e] = ds;
         }
       }
       if (is_dv)
@@ -251,19 +281,20 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) 
   for (int r = 0; r < 2; ++r) {
     const int j = k0 + warp * 16 + g + 8 * r;
     if (j >= a.Lk) continue;
+    const bool past = j >= kvlen;  // keys past kv length: 0, selected
     T* row = out + b * os[0] + hk * os[1] + static_cast<int64_t>(j) * os[2];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int c = c0 + n * 8 + 2 * t;
       if (c < ncols) {
-        row[c] = from_float<T>(acc[n][2 * r] * mul);
-        row[c + 1] = from_float<T>(acc[n][2 * r + 1] * mul);
+        row[c] = from_float<T>(row_output(acc[n][2 * r], mul, past));
+        row[c + 1] = from_float<T>(row_output(acc[n][2 * r + 1], mul, past));
       }
     }
   }
 }
 
-template <typename T, int kMode>
+template <typename T, int kMode, bool kFeat>
 __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
   extern __shared__ __align__(16) char smem[];
   constexpr int st = kTileStrideB(sizeof(T));
@@ -294,7 +325,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
   const float* lse = ba.lse + (static_cast<int64_t>(b) * a.Hq + h) * a.Lq;
   const float* delta = ba.delta + (static_cast<int64_t>(b) * a.Hq + h) * a.Lq;
-  const int qv = min(kBM, a.Lq - q0);
+  const int qv = max(0, min(kBM, qlen - q0));  // rows past qlen zero-filled, never read
 
   float acc[8][4];
 #pragma unroll
@@ -303,6 +334,11 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
   for (int kb = (key_lo / kBN) * kBN; kb < key_hi; kb += kBN) {
     const int kvalid = kvlen - kb;
+    if constexpr (kFeat) {
+      if (!segments_may_meet(a.qseg, a.kvseg, b, a.Lq, a.Lk, q0, q0 + qv, kb,
+                             min(kb + kBN, kvlen)))
+        continue;
+    }
     float s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -318,11 +354,12 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
       for (int e = 0; e < 4; ++e) {
         const int i = q0 + warp * 16 + g + (e >= 2 ? 8 : 0);
         const int j = kb + n * 8 + 2 * t + (e & 1);
-        float x;
-        const bool vis = visible_score(a, b, h, i, j, qlen, kvlen, offset, s[n][e], &x);
-        const float l = vis ? lse[i] : -INFINITY;
-        const float p = (vis && l != -INFINITY) ? expf(x - l) : 0.f;
-        dp[n][e] = p * (dp[n][e] - (vis ? delta[i] : 0.f));
+        float x, dcap, ds;
+        const bool vis =
+            visible_score<kFeat>(a, b, h, i, j, qlen, kvlen, offset, s[n][e], &x, &dcap);
+        backward_p(vis, x, vis ? lse[i] : -INFINITY, dp[n][e], vis ? delta[i] : 0.f, dcap,
+                   &ds);
+        dp[n][e] = ds;
       }
     }
     block_pc<T, kMode>(acc, dp, K + int64_t{kb} * a.ks[2], a.ks[2], kvalid, c0, a.D, sC, sP);
@@ -332,13 +369,14 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
   for (int r = 0; r < 2; ++r) {
     const int i = q0 + warp * 16 + g + 8 * r;
     if (i >= a.Lq) continue;
+    const bool past = i >= qlen;  // queries past q length: 0, selected
     T* row = static_cast<T*>(ba.dq) + b * a.qs[0] + h * a.qs[1] + static_cast<int64_t>(i) * a.qs[2];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int c = c0 + n * 8 + 2 * t;
       if (c < a.D) {
-        row[c] = from_float<T>(acc[n][2 * r] * a.scale);
-        row[c + 1] = from_float<T>(acc[n][2 * r + 1] * a.scale);
+        row[c] = from_float<T>(row_output(acc[n][2 * r], a.scale, past));
+        row[c + 1] = from_float<T>(row_output(acc[n][2 * r + 1], a.scale, past));
       }
     }
   }
@@ -376,8 +414,9 @@ cudaError_t launch_bwd_t(const SdpaParams& p, const SdpaBwdBuffers& buf, float* 
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  auto dkdv = flash_dkdv_kernel<T, kMode>;
-  auto dq = flash_dq_kernel<T, kMode>;
+  const bool feat = p.features() != 0;
+  auto dkdv = feat ? flash_dkdv_kernel<T, kMode, true> : flash_dkdv_kernel<T, kMode, false>;
+  auto dq = feat ? flash_dq_kernel<T, kMode, true> : flash_dq_kernel<T, kMode, false>;
   cudaError_t e = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e == cudaSuccess)

@@ -403,12 +403,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
           const float lse2 = (e & 1) ? l2.y : l2.x;
           const float dl = (e & 1) ? d2.y : d2.x;
           float p;
+          bool vis = true;
           if (full) {
             p = fast_exp2(fmaf(s[n][e], a.scale_log2, -lse2));
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
             const int j = k0 + warp * 16 + g + (e >> 1) * 8;
-            bool vis = i < qlen && j < kvlen;
+            vis = i < qlen && j < kvlen;
             if (vis) {
               const int64_t dd = static_cast<int64_t>(j) - (i + offset);
               if (f.wl >= 0 && dd < -f.wl) vis = false;
@@ -418,7 +419,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
             if (vis) x += mask_value(f, b, h, i, j, &vis);
             p = vis ? fast_exp2(fmaf(x, kLog2e, -lse2)) : 0.f;
           }
-          const float ds = p * (dp[n][e] - dl);
+          // dS selected: a hidden key's NaN dP (or a NaN row's delta) stays out.
+          const float ds = vis ? p * (dp[n][e] - dl) : 0.f;
           s[n][e] = kMode == 1 ? round_tf32(p) : p;
           dp[n][e] = kMode == 1 ? round_tf32(ds) : ds;
         }
@@ -531,6 +533,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   for (int r = 0; r < 2; ++r) {
     const int j = k0 + warp * 16 + g + 8 * r;
     if (j >= f.Lk) continue;
+    // Keys past kv length: 0, selected (dS = 0 there, but 0 * a NaN query is NaN).
+    const bool past = j >= kvlen;
     float* rk = a.dk + b * f.ks[0] + hk * f.ks[1] + static_cast<int64_t>(j) * f.ks[2];
     float* rv = a.dv + b * f.vs[0] + hk * f.vs[1] + static_cast<int64_t>(j) * f.vs[2];
 #pragma unroll
@@ -538,9 +542,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
       const int c = n * 8 + 2 * t;
       if (c < f.D)
         *reinterpret_cast<float2*>(rk + c) =
-            make_float2(dk[n][2 * r] * f.scale, dk[n][2 * r + 1] * f.scale);
+            make_float2(row_output(dk[n][2 * r], f.scale, past),
+                        row_output(dk[n][2 * r + 1], f.scale, past));
       if (c < f.Dv)
-        *reinterpret_cast<float2*>(rv + c) = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
+        *reinterpret_cast<float2*>(rv + c) =
+            make_float2(row_output(dv[n][2 * r], 1.f, past),
+                        row_output(dv[n][2 * r + 1], 1.f, past));
     }
   }
 }
@@ -563,7 +570,8 @@ __global__ void __launch_bounds__(256) delta_kernel(const Args a, float* delta, 
   }
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
-  if (lane == 0) delta[r] = acc;
+  // Rows past q length: 0 (their dout may hold anything; P = 0 there must give dS = 0).
+  if (lane == 0) delta[r] = i < clamp_length(f.qlen, b, f.Lq) ? acc : 0.f;
 }
 
 }  // namespace bwd_tc

@@ -259,14 +259,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
             const int rl = rl0 + 8 * r;           // row in the tile
             const int kl = 8 * i + 2 * t + (e & 1);  // key in the block
             float p;
+            bool hidden = false;
             if (full) {
               p = fast_exp2(fmaf(s[4 * i + e], a.scale_log2, -lse2[r]));
             } else {
               const float x = visible_score(f, b, h, qb + rl, k0 + kl, qlen, kvlen, offset,
                                             s[4 * i + e] * a.scale_log2);
               p = fast_exp2(x - lse2[r]);
+              hidden = x == -INFINITY;
             }
-            const float ds = p * (dp[e] - dl[r]);
+            // dS selected: a hidden key's NaN dP stays out.
+            const float ds = hidden ? 0.f : p * (dp[e] - dl[r]);
             dsv[e] = ds;
             // P^T, dS^T [key][row]: row rl is element rl % 8 of unit rl / 8 of line kl.
             const uint32_t tofs = swz(kl, rl >> 3) + (rl & 7) * 2;
@@ -361,8 +364,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
     const int r = (u / kUnits) % kBc, c = u % kUnits;
     const int j = k0 + r;
     if (j < f.Lk && c * 8 < (is_k ? f.D : f.Dv)) {
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + (is_k ? kOffO : kOffQ) +
-                                                      r * kStage * 2 + c * 16);
+      // Keys past kv length: 0, selected (dS = 0 there, but 0 * a NaN query is NaN).
+      const uint4 v = j >= kvlen ? make_uint4(0, 0, 0, 0)
+                                 : *reinterpret_cast<const uint4*>(smem + (is_k ? kOffO : kOffQ) +
+                                                                   r * kStage * 2 + c * 16);
       T* dst = is_k ? static_cast<T*>(a.dk) + b * f.ks[0] + hk * f.ks[1] +
                           static_cast<int64_t>(j) * f.ks[2]
                     : static_cast<T*>(a.dv) + b * f.vs[0] + hk * f.vs[1] +

@@ -406,6 +406,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
   for (int r = 0; r < 2; ++r) {
     const int j = k0 + kg * 16 + g + 8 * r;
     if (j >= f.Lk) continue;
+    // Keys past kv length: 0, selected (dS = 0 there, but 0 * a NaN query is NaN).
+    const bool past = j >= kvlen;
     T* rk = static_cast<T*>(a.dk) + b * f.ks[0] + hk * f.ks[1] + static_cast<int64_t>(j) * f.ks[2];
     T* rv = static_cast<T*>(a.dv) + b * f.vs[0] + hk * f.vs[1] + static_cast<int64_t>(j) * f.vs[2];
 #pragma unroll
@@ -413,9 +415,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
       const int c = cq * kQuarter + n * 8 + 2 * t;
       if (c < f.D)
         *reinterpret_cast<uint32_t*>(rk + c) =
-            pack2<T>(dk[n][2 * r] * f.scale, dk[n][2 * r + 1] * f.scale);
+            pack2<T>(row_output(dk[n][2 * r], f.scale, past),
+                     row_output(dk[n][2 * r + 1], f.scale, past));
       if (c < f.Dv)
-        *reinterpret_cast<uint32_t*>(rv + c) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(rv + c) =
+            pack2<T>(row_output(dv[n][2 * r], 1.f, past), row_output(dv[n][2 * r + 1], 1.f, past));
     }
   }
 }
@@ -443,7 +447,8 @@ __global__ void __launch_bounds__(256) wide_delta_kernel(const Args a, float* de
   }
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
-  if (lane == 0) delta[r] = acc;
+  // Rows past q length: 0 (their dout may hold anything; P = 0 there must give dS = 0).
+  if (lane == 0) delta[r] = i < clamp_length(f.qlen, b, f.Lq) ? acc : 0.f;
 }
 
 // dq = dq_accum * scale (16-bit, q's strides): one warp per row, 8 columns a lane-step.

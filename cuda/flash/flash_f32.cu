@@ -9,8 +9,9 @@ namespace cuda_flash {
 
 cudaError_t launch_forward_f32(const SdpaParams& p, const SdpaFwdBuffers& buf, Fp32Mode mode,
                                cudaStream_t stream) {
-  // Head dims <= 128: the tuned tensor-core kernel (flash_fwd_tc.cuh).
-  if (fast_kernels_enabled()) {
+  // Head dims <= 128: the tuned tensor-core kernel (flash_fwd_tc.cuh); calls using a
+  // contract feature (segment ids, soft-capping) run the generic kernel's kFeat version.
+  if (fast_kernels_enabled() && p.features() == 0 && !p.paged()) {
     const cudaError_t e = tc::launch_forward_fast_f32(p, buf, mode, stream);
     if (e != cudaErrorNotSupported) return e;
   }
@@ -24,8 +25,8 @@ cudaError_t launch_forward_f32(const SdpaParams& p, const SdpaFwdBuffers& buf, F
 
 cudaError_t launch_backward_f32(const SdpaParams& p, const SdpaBwdBuffers& buf, Fp32Mode mode,
                                 float* delta, cudaStream_t stream) {
-  // Head dims <= 128: the tuned tensor-core backward (flash_bwd_tc.cuh).
-  if (fast_kernels_enabled()) {
+  // Head dims <= 128: the tuned tensor-core backward (flash_bwd_tc.cuh); features: generic.
+  if (fast_kernels_enabled() && p.features() == 0 && !p.paged()) {
     const cudaError_t e = launch_backward_f32_fast(p, buf, mode, delta, stream);
     if (e != cudaErrorNotSupported) return e;
   }

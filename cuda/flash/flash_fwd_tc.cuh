@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
   for (int r = 0; r < 4; ++r) {
     const int i = row[r];
     if (i >= a.Lq) continue;
-    const bool empty = !(l[r] > 0.f) || m[r] == -INFINITY || i >= qlen;
+    const bool empty = softmax_row_empty(l[r]) || i >= qlen;  // a NaN sum is not empty
     const float inv = empty ? 0.f : 1.f / l[r];
     float* O = static_cast<float*>(a.out) + b * a.os[0] + h * a.os[1] +
                static_cast<int64_t>(i) * a.os[2];
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
       const int col = n * 8 + 2 * t;
       if (col < a.Dv)
         *reinterpret_cast<float2*>(O + col) =
-            make_float2(acc[mt][n][2 * half] * inv, acc[mt][n][2 * half + 1] * inv);
+            make_float2(row_output(acc[mt][n][2 * half], inv, empty), row_output(acc[mt][n][2 * half + 1], inv, empty));
     }
     if (t == 0)
       a.lse[(static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i] =

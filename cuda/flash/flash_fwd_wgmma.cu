@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
     if (i >= a.Lq) continue;
     const int rl = rl0 + 8 * r;
     const float L = sM[rl] + sM[kBM + rl];
-    const bool empty = !(L > 0.f) || m[r] == -INFINITY || i >= qlen;
+    const bool empty = softmax_row_empty(L) || i >= qlen;  // a NaN sum is not empty
     const float inv = empty ? 0.f : 1.f / L;
     T* O = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + static_cast<int64_t>(i) * a.os[2];
 #pragma unroll
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
       const int col = wg * 256 + n * 8 + 2 * t;
       if (col < a.Dv)
         *reinterpret_cast<uint32_t*>(O + col) =
-            pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+            pack2<T>(row_output(o[4 * n + 2 * r], inv, empty), row_output(o[4 * n + 2 * r + 1], inv, empty));
     }
     if (wg == 0 && t == 0)
       a.lse[(static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i] =

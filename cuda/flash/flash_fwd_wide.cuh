@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
   for (int r = 0; r < 2; ++r) {
     const int i = row[r];
     if (i >= a.Lq) continue;
-    const bool empty = !(l[r] > 0.f) || m[r] == -INFINITY || i >= qlen;
+    const bool empty = softmax_row_empty(l[r]) || i >= qlen;  // a NaN sum is not empty
     const float inv = empty ? 0.f : 1.f / l[r];
     T* O = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + static_cast<int64_t>(i) * a.os[2];
 #pragma unroll
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wide_kernel(const FwdAr
       const int col = ch * kHalf + n * 8 + 2 * t;
       if (col < a.Dv)
         *reinterpret_cast<uint32_t*>(O + col) =
-            pack2<T>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+            pack2<T>(row_output(acc[n][2 * r], inv, empty), row_output(acc[n][2 * r + 1], inv, empty));
     }
     if (ch == 0 && t == 0)
       a.lse[(static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i] =
