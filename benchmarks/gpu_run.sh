@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 machine does for the cuDNN path, in one go (repo root):
-#   bash benchmarks/gpu_run.sh [steps]      steps: any of build tests shared decode flash probe
+#   bash benchmarks/gpu_run.sh [steps]      steps: any of wheel build tests shared sanitize peers
+#                                           decode flash probe
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
@@ -10,7 +11,12 @@
 #   the machine has no network),
 # - builds and installs the package with the system g++ (the image's CXX is a GCC
 #   whose C++ headers don't match the system libstdc++),
-# - runs the GPU tests (pytest -m gpu), the raw-cuDNN probe and the benchmarks.
+# - or, with `wheel` in place of `build`: installs the carried release wheel
+#   (.whl/ours/jax_sdpa-*.whl, tools/build_wheel.sh) on its own, with no CUDA toolkit on PATH,
+#   and runs every later step against it,
+# - runs the GPU tests (pytest -m gpu), compute-sanitizer's four tools over small calls of
+#   every CUDA path (benchmarks/gpu_sanitize.py), the raw-cuDNN probe and the benchmarks
+#   (peers: benchmarks/gpu_peers.py, every peer in one run).
 # Logs and JSON go to $OUT (default /tmp/jax_sdpa_out). Env knobs: TEST_TIMEOUT
 # (seconds for the whole pytest run), TEST_PATHS (default tests), PYTEST_ARGS,
 # BENCH_ARGS, BENCH_TIMEOUT.
@@ -34,11 +40,37 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 python3 -m pip list 2>/dev/null | grep -i -E "^(nvidia-cudnn|nanobind|scikit-build|jax)" || true
 
-if has build; then
+if has wheel || has build; then
   say "carried wheels"
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || rc=1
   fi
+fi
+
+if has wheel; then
+  # The release wheel alone: its own site folder ahead of everything, no nvcc on PATH and
+  # no CUDA toolkit libraries on the loader's path, for every step after this one.
+  say "release wheel, no CUDA toolkit"
+  path=""; IFS=: read -ra dirs <<< "$PATH"
+  for d in "${dirs[@]}"; do [[ -e "$d/nvcc" ]] || path="${path:+$path:}$d"; done
+  export PATH="$path"
+  export LD_LIBRARY_PATH=$(echo "${LD_LIBRARY_PATH:-}" | tr ':' '\n' | grep -v -i cuda | paste -sd: -)
+  unset CUDA_HOME CUDA_PATH CUDACXX
+  rm -rf /tmp/wheel_site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/wheel_site .whl/ours/jax_sdpa-*.whl || rc=1
+  export PYTHONPATH=/tmp/wheel_site${PYTHONPATH:+:$PYTHONPATH}
+  echo "nvcc on PATH: $(command -v nvcc || echo none)"
+  (cd /tmp && python3 -P -m jax_sdpa.cli info 2>&1 | tail -25) || rc=1
+  (cd /tmp && python3 -P -c "
+import jax, jax.numpy as jnp, jax_sdpa
+print('jax_sdpa from', jax_sdpa.__file__)
+q = jnp.ones((1, 4, 64, 64), jnp.bfloat16)
+jax.block_until_ready(jax_sdpa.scaled_dot_product_attention(q, q, q, implementation='cudnn'))
+print('libcudnn loaded:', sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l}))
+") || rc=1
+fi
+
+if has build; then
   say "build + install (system g++)"
   export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
@@ -84,9 +116,32 @@ if has shared; then
   (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest \
     timeout -s INT "${SHARED_TIMEOUT:-240}" python3 -P -m pytest \
       $repo/tests/test_contract.py $repo/tests/test_jax_nn_contract.py $repo/tests/test_transforms.py \
+      $repo/tests/test_numerics.py $repo/tests/test_forward_mode.py $repo/tests/test_dropin_gaps.py \
+      $repo/tests/test_strict_modes.py $repo/tests/test_ffi_boundary.py \
       -c "$repo/pyproject.toml" --rootdir "$repo" -k "cudnn or cuda" -q -p no:cacheprovider \
       -n ${TEST_WORKERS:-12} --timeout=120 -rfEs --tb=short --junitxml="$OUT/pytest_shared.xml" \
       2>&1 | tail -120) || rc=1
+fi
+
+if has sanitize; then
+  # memcheck, racecheck, initcheck, synccheck over small calls of every CUDA path.
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
+    say "compute-sanitizer --tool $tool"
+    (cd /tmp && timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool \
+       --print-limit 20 --error-exitcode 3 python3 -P $repo/benchmarks/gpu_sanitize.py \
+       > "$OUT/sanitize_$tool.txt" 2>&1); s=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases|FAIL|Error|refused|not supported" \
+      "$OUT/sanitize_$tool.txt" | head -12
+    echo "compute-sanitizer $tool exit $s"
+    [ $s = 0 ] || rc=1
+  done
+fi
+
+if has peers; then
+  say "every peer in one run (benchmarks/gpu_peers.py)"
+  (cd /tmp && timeout "${PEERS_TIMEOUT:-300}" python3 -P $repo/benchmarks/gpu_peers.py \
+     --out "$OUT/peers.json" --plot "$OUT/peers.png" ${PEERS_ARGS:-} 2>&1 \
+     | grep -v '^{"row"' | tail -60) || rc=1
 fi
 
 # The decode pieces (decode = decode_check + decode_bench). decode_check runs the check

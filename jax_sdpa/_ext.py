@@ -33,18 +33,28 @@ def _load():
     if _loaded:
         return
     _loaded = True
+    try:  # registration is deferred until a platform starts: start them, so that a handler
+        jax.devices()  # the running jaxlib refuses fails here, where it is caught
+    except Exception:  # noqa: BLE001 - no usable platform: registration stays deferred
+        pass
     for module_name, platform in _MODULES.items():
         try:
             module = importlib.import_module(f"jax_sdpa.{module_name}")
         except ImportError as e:
             _load_errors[module_name] = str(e)
             continue
-        _modules[module_name] = module
         served = module.served_features()
-        for target, capsule in module.registrations().items():
-            jax.ffi.register_ffi_target(target, capsule, platform=platform)
-            _targets[target] = module_name
-            _features[target] = frozenset(served[target])
+        try:
+            for target, capsule in module.registrations().items():
+                jax.ffi.register_ffi_target(target, capsule, platform=platform)
+                _targets[target] = module_name
+                _features[target] = frozenset(served[target])
+        except Exception as e:  # noqa: BLE001 - e.g. handlers of a newer XLA FFI API
+            for target in [t for t, m in _targets.items() if m == module_name]:
+                del _targets[target], _features[target]
+            _load_errors[module_name] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            continue
+        _modules[module_name] = module
 
 
 def has_backend(implementation: str) -> bool:
@@ -86,6 +96,10 @@ def unavailable_reason(backend: str) -> Optional[str]:
         fix = f"; to fix: {build_info.cudnn_upgrade_fix()}"
     elif backend == "cuda" and "libcudnn" in error:
         fix = f"; to fix: {build_info.cuda_runtime_fix()}"
+    elif "API version" in error:
+        # compiled against a newer jaxlib's XLA FFI headers than the jaxlib running
+        fix = ("; to fix: upgrade jax, or build jax_sdpa against the installed one: "
+               "pip install --force-reinstall --no-deps --no-build-isolation jax_sdpa")
     return f"built, but failed to load ({error}){fix}"
 
 

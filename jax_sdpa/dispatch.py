@@ -444,6 +444,9 @@ def _decode_pick(call: "_Call") -> Optional[str]:
                 * cfg.dtype.itemsize)
     big = kv_bytes >= tuning.CUDA_DECODE_MIN_KV_BYTES
     if call.cudnn[0]:
+        if (cfg.has_kv_lengths or cfg.has_q_lengths) and \
+                tuning.CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS:
+            return "cuda"
         if rows <= 4 and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (192, 256):
             return "cuda" if big else "xla"
         return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
@@ -485,6 +488,16 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
     return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
 
 
+def _wide_backward_in_xla(cfg: Config, direction: str) -> bool:
+    """Whether `implementation=None` runs a 16-bit backward at head dims > 256 (which cuDNN
+    can't serve) as XLA's materialized backward rather than our flash backward: the row
+    XLA_WIDE_BWD_MAX_SCORE_BYTES of jax_sdpa/tuning.py."""
+    return (direction == "bwd" and not cfg.is_decode
+            and cfg.dtype != np.dtype(np.float32)
+            and max(cfg.head_dim, cfg.head_dim_v) > 256
+            and cfg.score_bytes <= tuning.XLA_WIDE_BWD_MAX_SCORE_BYTES)
+
+
 def _preference(call: "_Call"):
     """Fused implementations to try, fastest first, on this platform."""
     cfg, platform, direction = call.cfg, call.platform, call.direction
@@ -495,6 +508,8 @@ def _preference(call: "_Call"):
                 return ["cuda", "cudnn"]
             if pick == "xla":
                 return []  # our XLA path (_xla_choice)
+        if not call.cudnn[0] and _wide_backward_in_xla(cfg, direction):
+            return ["xla"]
         if not call.cudnn[0] and _cuda_flash_preferred(cfg, direction):
             return ["cuda"]
         return ["cudnn"]

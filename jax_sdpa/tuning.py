@@ -48,6 +48,18 @@ ROWS = {
         "... and at most this many query rows per kv head: 16 and 32 rows re-read K/V per "
         "8-row chunk (our XLA path 1.25x / 2.2x faster there)",
         "benchmarks/results/h200/decode_crossover.json"),
+    "CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS": Row(
+        True,
+        "decode with key_value_seq_lengths (the KV-cache call): our decode kernel, not our "
+        "cuDNN graph, whose padding-mask engine ran at 0.62-0.66x jax.nn's cuDNN call on the "
+        "same rows (B1 H32/KV8 Lk32768 D128 1764 vs 2689 GB/s; B8 Lk8192 2122 vs 3418)",
+        "benchmarks/results/h200/peers.json"),
+    "XLA_WIDE_BWD_MAX_SCORE_BYTES": Row(
+        4 << 30,
+        "16-bit backward at head dims > 256 on a GPU: XLA's materialized backward (after our "
+        "flash forward) up to this many bytes of float32 scores; our wgmma flash backward "
+        "ran B1 H16 L4096 D512 causal fwd+bwd at 157 TFLOP/s against 222 for jax.nn's xla",
+        "benchmarks/results/h200/peers.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
@@ -70,4 +82,6 @@ CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
 CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
+CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
+XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
 FLASH_ATTN3_MIN_LEN = ROWS["FLASH_ATTN3_MIN_LEN"].value

@@ -313,14 +313,16 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(d=256, lq=8192, lk=8192), "fwd", "xla_chunked"),
     (dict(d=256), "bwd", "xla"),
     # 16-bit above cuDNN's 256: the wgmma kernels on this cc 9.0 GPU; with Dv <= 256 (the
-    # wide / generic kernels) ours only where xla would go chunked
+    # wide / generic kernels) ours only where xla would go chunked. The backward: XLA's
+    # materialized one up to XLA_WIDE_BWD_MAX_SCORE_BYTES (4 GiB of scores), ours above
     (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512, window_right=0,
           bottom_right=True), "fwd", "cuda"),
-    (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512), "bwd", "cuda"),
+    (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512), "bwd", "xla"),
     (dict(dtype="bfloat16", d=512), "fwd", "cuda"),
-    (dict(dtype="float16", d=320), "bwd", "cuda"),
+    (dict(dtype="float16", d=320), "bwd", "xla"),
     (dict(dtype="bfloat16", d=512, dv=256), "fwd", "xla"),
-    (dict(dtype="bfloat16", d=512, dv=256, lq=8192, lk=8192), "bwd", "cuda"),
+    (dict(dtype="bfloat16", d=512, dv=256, lq=8192, lk=8192), "bwd", "xla"),  # 4 GiB
+    (dict(dtype="bfloat16", b=4, d=512, dv=256, lq=8192, lk=8192), "bwd", "cuda"),  # 8 GiB
     # decode shapes: the decode kernel's crossover rule, never the flash kernels
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=64), "fwd", "xla"),  # fp32: xla was faster
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "xla"),
@@ -390,19 +392,37 @@ def test_cuda_flash_preferred_rule(fake_h200):
     assert not pref(_cfg(dtype="float16", d=512, dv=128), "fwd")
 
 
+def test_decode_with_lengths_runs_our_decode_kernel(fake_h200):
+    """The KV-cache call (key_value_seq_lengths) goes to our decode kernel where cuDNN would
+    serve it (CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS); without lengths the R <= 4 row stays
+    with cuDNN."""
+    from jax_sdpa.config import Config, StaticParams
+    dispatch = fake_h200
+    dt = np.dtype(jnp.bfloat16)
+    shapes = ((1, 32, 1, 128), (1, 8, 32768, 128), (1, 8, 32768, 128))
+    for lengths, want in ((True, "cuda"), (False, "cudnn")):
+        cfg = Config.from_shapes(*shapes, dt, None, None, False, False, lengths,
+                                 StaticParams(scale=0.1))
+        assert dispatch.choose(cfg, "cuda", "fwd") == want, dispatch.explain_choice(cfg, "cuda")
+
+
 @pytest.mark.parametrize("direction, knob", [("fwd", "JAX_SDPA_FLASH_WGMMA"),
                                              ("bwd", "JAX_SDPA_FLASH_WGMMA_BWD")])
 def test_wgmma_flash_needs_hopper_and_its_knob(fake_h200, monkeypatch, direction, knob):
     dispatch = fake_h200
     small = _cfg(dtype="bfloat16", d=512)
-    assert dispatch.choose(small, "cuda", direction) == "cuda"
+    # the forward's choice follows the wgmma kernel (the backward's is XLA's at this size)
+    picks = (lambda: dispatch.choose(small, "cuda", direction)) if direction == "fwd" else None
+    assert dispatch._wgmma_flash_runs(small, direction)
+    assert picks is None or picks() == "cuda"
     monkeypatch.setenv(knob, "0")
-    assert dispatch.choose(small, "cuda", direction) == "xla"
+    assert not dispatch._wgmma_flash_runs(small, direction)
+    assert picks is None or picks() == "xla"
     monkeypatch.delenv(knob)
-    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (8, 0)))  # an A100: no sm_90a
-    assert dispatch.choose(small, "cuda", direction) == "xla"
-    monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (10, 0)))  # Blackwell: no sm_90a
-    assert dispatch.choose(small, "cuda", direction) == "xla"
+    for cc in ((8, 0), (10, 0)):  # an A100, a Blackwell: no sm_90a
+        monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, cc))
+        assert not dispatch._wgmma_flash_runs(small, direction)
+        assert picks is None or picks() == "xla"
 
 
 def test_cuda_routing_in_the_lowering(fake_h200):
