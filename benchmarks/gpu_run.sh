@@ -118,6 +118,7 @@ if has shared; then
       $repo/tests/test_contract.py $repo/tests/test_jax_nn_contract.py $repo/tests/test_transforms.py \
       $repo/tests/test_numerics.py $repo/tests/test_forward_mode.py $repo/tests/test_dropin_gaps.py \
       $repo/tests/test_strict_modes.py $repo/tests/test_ffi_boundary.py \
+      $repo/tests/test_segments_softcap.py $repo/tests/test_paged.py \
       -c "$repo/pyproject.toml" --rootdir "$repo" -k "cudnn or cuda" -q -p no:cacheprovider \
       -n ${TEST_WORKERS:-12} --timeout=120 -rfEs --tb=short --junitxml="$OUT/pytest_shared.xml" \
       2>&1 | tail -120) || rc=1

@@ -29,6 +29,9 @@ CASES = [
     ("cuda", jnp.bfloat16, 1, 70, 70, 2, 1, 128, True, {}),                   # flash
     ("cuda", jnp.float32, 1, 45, 77, 2, 2, 64, False, {"lengths": True}),     # flash fp32
     ("cuda", jnp.bfloat16, 1, 65, 65, 2, 2, 512, True, {}),                   # flash wgmma
+    ("cuda", jnp.bfloat16, 2, 75, 75, 4, 2, 64, True, {"segments": True, "softcap": True}),
+    ("cuda", jnp.float32, 1, 1, 200, 4, 2, 128, False, {"softcap": True, "lengths": True}),
+    ("cuda", jnp.bfloat16, 2, 3, 0, 8, 2, 128, False, {"paged": True}),       # paged decode
 ]
 
 
@@ -37,7 +40,19 @@ def run(impl, dtype, b, lq, lk, hq, hk, d, causal, extra):
     q = jax.random.normal(ks[0], (b, hq, lq, d), dtype)
     k = jax.random.normal(ks[1], (b, hk, lk, d), dtype)
     v = jax.random.normal(ks[2], (b, hk, lk, d), dtype)
+    if extra.get("paged"):  # 9 pages of 16 slots, shuffled; lengths 37 and 70
+        kp = jax.random.normal(ks[1], (9, 16, hk, d), dtype)
+        vp = jax.random.normal(ks[2], (9, 16, hk, d), dtype)
+        table = jnp.array([[3, 0, 7, 1, 5], [8, 2, 6, 4, 12]], jnp.int32)  # 12: out of range
+        lens = jnp.array([37, 70], jnp.int32)
+        jax.block_until_ready(jax.jit(lambda q: jax_sdpa.paged_attention(
+            q, kp, vp, table, lens, mask="causal", kv_layout="PSHD", implementation=impl))(q))
+        return
     kw = dict(mask="causal" if causal else None, implementation=impl)
+    if extra.get("segments"):
+        kw["q_segment_ids"] = (jnp.arange(lq, dtype=jnp.int32) // 11)[None].repeat(b, 0)
+    if extra.get("softcap"):
+        kw["logits_soft_cap"] = 5.0
     if extra.get("lengths"):
         kw["key_value_seq_lengths"] = jnp.arange(b, dtype=jnp.int32) * 7 + lk - 9
     if extra.get("sinks"):
