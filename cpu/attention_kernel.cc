@@ -85,6 +85,20 @@ inline vf vexp(vf x) {
   return select(under, splat(0.0f), y);
 }
 
+// tanh: an odd Taylor polynomial below |x| = 0.25 (truncation < 1e-8 relative), else
+// 1 - 2 / (e^{2|x|} + 1) with x's sign (a few ulp; saturates to +-1). NaN stays NaN.
+inline vf vtanh(vf x) {
+  const vf ax = select(x < splat(0.0f), -x, x);
+  const vf big = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f) * ax) + splat(1.0f));
+  const vf x2 = x * x;
+  vf poly = splat(62.0f / 2835.0f);
+  poly = poly * x2 + splat(-17.0f / 315.0f);
+  poly = poly * x2 + splat(2.0f / 15.0f);
+  poly = poly * x2 + splat(-1.0f / 3.0f);
+  const vf small = x + x * x2 * poly;
+  return select(ax < splat(0.25f), small, select(x < splat(0.0f), -big, big));
+}
+
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -237,12 +251,67 @@ struct Carver {
     p += floats_bytes(n);
     return r;
   }
+  int32_t* i32(int64_t n) {
+    int32_t* r = reinterpret_cast<int32_t*>(p);
+    p += (size_t)round_up(n * 4, 64);
+    return r;
+  }
   int64_t* ints(int64_t n) {
     int64_t* r = reinterpret_cast<int64_t*>(p);
     p += (size_t)round_up(n * 8, 64);
     return r;
   }
 };
+
+// ---- packed sequences -------------------------------------------------------------
+// The [lo, hi] range of the kv segment ids of every aligned block of kBk keys of every
+// batch row, computed once per call: a (query tile, key block) pair whose ranges do not
+// overlap has no visible pair and is skipped (exact for sorted packing, conservative else).
+struct SegBlocks {
+  const int32_t* q_ids = nullptr;   // null: no segment ids
+  const int32_t* kv_ids = nullptr;
+  int32_t* lo = nullptr;            // [B][nblk]
+  int32_t* hi = nullptr;
+  int64_t nblk = 0;
+};
+
+bool seg_blocks_build(const SdpaParams& p, SegBlocks* s) {
+  if (!p.q_segment_ids) return true;
+  s->q_ids = p.q_segment_ids;
+  s->kv_ids = p.kv_segment_ids;
+  s->nblk = (p.len_kv + kBk - 1) / kBk;
+  const int64_t n = max64(1, p.batch * s->nblk);
+  s->lo = static_cast<int32_t*>(malloc(2 * n * sizeof(int32_t)));
+  if (!s->lo) return false;
+  s->hi = s->lo + n;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t blk = 0; blk < s->nblk; ++blk) {
+      const int32_t* ids = p.kv_segment_ids + b * p.len_kv;
+      int32_t lo = INT32_MAX, hi = INT32_MIN;
+      for (int64_t j = blk * kBk; j < min64(p.len_kv, (blk + 1) * kBk); ++j) {
+        lo = ids[j] < lo ? ids[j] : lo;
+        hi = ids[j] > hi ? ids[j] : hi;
+      }
+      s->lo[b * s->nblk + blk] = lo;
+      s->hi[b * s->nblk + blk] = hi;
+    }
+  return true;
+}
+
+// What keys [j0, j0 + jn) of row b need against a tile of query ids in [qlo, qhi].
+enum class SegCover { kNone, kAll, kPartial };
+SegCover seg_cover(const SegBlocks& s, int64_t b, int64_t j0, int64_t jn, int32_t qlo,
+                   int32_t qhi) {
+  if (!s.q_ids) return SegCover::kAll;
+  if (jn <= 0 || qlo > qhi) return SegCover::kNone;
+  int32_t lo = INT32_MAX, hi = INT32_MIN;
+  for (int64_t blk = j0 / kBk; blk <= (j0 + jn - 1) / kBk; ++blk) {
+    lo = s.lo[b * s.nblk + blk] < lo ? s.lo[b * s.nblk + blk] : lo;
+    hi = s.hi[b * s.nblk + blk] > hi ? s.hi[b * s.nblk + blk] : hi;
+  }
+  if (hi < qlo || lo > qhi) return SegCover::kNone;
+  return lo == hi && qlo == qhi ? SegCover::kAll : SegCover::kPartial;
+}
 
 // ---- a query tile ---------------------------------------------------------------
 struct Tile {
@@ -251,6 +320,8 @@ struct Tile {
   int64_t *col_i, *col_h, *kf, *kl;  // per row: query, head, visible band [kf, kl)
   int64_t KF, KL;                    // union of the bands
   int64_t maxKF, minKL;              // a key block inside [maxKF, minKL) needs no band mask
+  int32_t* qseg;                     // per row (np of them): its query's segment id
+  int32_t qlo, qhi;                  // their range over rows that see a key (lo > hi: none)
 };
 
 void setup_tile(const SdpaParams& p, Tile* t) {
@@ -263,6 +334,8 @@ void setup_tile(const SdpaParams& p, Tile* t) {
   t->KL = 0;
   t->maxKF = 0;
   t->minKL = INT64_MAX;
+  t->qlo = INT32_MAX;
+  t->qhi = INT32_MIN;
   for (int64_t c = 0; c < t->n; ++c) {
     int64_t r = t->r0 + c, i = r / G;
     t->col_i[c] = i;
@@ -281,16 +354,39 @@ void setup_tile(const SdpaParams& p, Tile* t) {
     }
     t->maxKF = max64(t->maxKF, f);
     t->minKL = min64(t->minKL, l);
+    if (p.q_segment_ids) {
+      const int32_t id = p.q_segment_ids[t->b * p.len_q + i];
+      t->qseg[c] = id;
+      if (l > f) {
+        t->qlo = id < t->qlo ? id : t->qlo;
+        t->qhi = id > t->qhi ? id : t->qhi;
+      }
+    }
   }
+  if (p.q_segment_ids)
+    for (int64_t c = t->n; c < t->np; ++c) t->qseg[c] = t->n ? t->qseg[0] : 0;
   if (t->KL == 0) t->KF = 0;
 }
 
-// St[jn x np] holds q·k for keys j0.. of the tile; applies scale, the mask and
-// the band (-inf = invisible). Padding columns (c >= n) are left alone.
-void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St) {
+// St[jn x np] holds q·k for keys j0.. of the tile; applies scale, the soft cap, the mask,
+// the band and (seg == kPartial) the segment ids (-inf = invisible). Padding columns
+// (c >= n) are left alone where masks apply. With a soft cap, dcap (when given) receives
+// its derivative 1 - tanh^2 per score (backward).
+void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St,
+                    SegCover seg, float* dcap) {
   const int64_t np = t.np;
-  const vf sc = splat((float)p.scale);
-  for (int64_t x = 0; x < jn * np; x += W) storev(St + x, loadv(St + x) * sc);
+  if (p.logits_soft_cap > 0) {
+    const vf pre = splat((float)(p.scale / p.logits_soft_cap));
+    const vf cap = splat((float)p.logits_soft_cap);
+    for (int64_t x = 0; x < jn * np; x += W) {
+      vf th = vtanh(loadv(St + x) * pre);
+      storev(St + x, cap * th);
+      if (dcap) storev(dcap + x, splat(1.0f) - th * th);
+    }
+  } else {
+    const vf sc = splat((float)p.scale);
+    for (int64_t x = 0; x < jn * np; x += W) storev(St + x, loadv(St + x) * sc);
+  }
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t* ms = p.mask_stride;
     for (int64_t c = 0; c < t.n; ++c) {
@@ -317,6 +413,19 @@ void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, 
       for (int64_t j = hi; j < jn; ++j) St[j * np + c] = -INFINITY;
     }
   }
+  if (seg == SegCover::kPartial) {  // selected, not added: a NaN score of another segment goes
+    const int32_t* kv = p.kv_segment_ids + t.b * p.len_kv + j0;
+    const vf hidden = splat(-INFINITY);
+    for (int64_t j = 0; j < jn; ++j) {
+      vi id;
+      for (int x = 0; x < W; ++x) id[x] = kv[j];
+      for (int64_t c0 = 0; c0 < np; c0 += W) {
+        vi qs;
+        memcpy(&qs, t.qseg + c0, sizeof qs);
+        storev(St + j * np + c0, select(qs == id, loadv(St + j * np + c0), hidden));
+      }
+    }
+  }
 }
 
 // Qt[d][c] = X row of column c (zero for padding / invalid rows); also returns
@@ -340,11 +449,45 @@ void pack_rows(const SdpaParams& p, const Tile& t, const void* X, const int64_t 
   }
 }
 
+// ---- where a block's keys live --------------------------------------------------
+// Keys j .. j+n of a block whose K and V rows sit at constant strides from element
+// offsets k and v of the K / V buffers; k < 0: a paged key whose page index is out of
+// range (invisible, never read).
+struct KeyRun {
+  int64_t j, n, k, v;
+};
+
+// The runs of keys [j0, j0 + jn) of (b, hk): one for a contiguous cache, one per page
+// touched for a paged one. Returns how many (at most jn).
+int64_t key_runs(const SdpaParams& p, int64_t b, int64_t hk, int64_t j0, int64_t jn,
+                 KeyRun* runs) {
+  if (!p.paged()) {
+    runs[0] = {0, jn, b * p.k_stride[0] + hk * p.k_stride[1] + j0 * p.k_stride[2],
+               b * p.v_stride[0] + hk * p.v_stride[1] + j0 * p.v_stride[2]};
+    return 1;
+  }
+  int64_t nr = 0;
+  for (int64_t j = 0; j < jn;) {
+    const PagedRow pr =
+        paged_key_row(p.page_indices, p.pages_per_seq, p.page_size, p.num_pages, b, j0 + j);
+    const int64_t n = min64(jn - j, p.page_size - pr.slot);
+    if (pr.page < 0) {
+      runs[nr++] = {j, n, -1, -1};
+    } else {
+      runs[nr++] = {j, n, pr.page * p.k_stride[0] + hk * p.k_stride[1] + pr.slot * p.k_stride[2],
+                    pr.page * p.v_stride[0] + hk * p.v_stride[1] + pr.slot * p.v_stride[2]};
+    }
+    j += n;
+  }
+  return nr;
+}
+
 // ---- forward ----------------------------------------------------------------------
 struct FwdCtx {
   const SdpaParams* p;
   const SdpaFwdBuffers* buf;
   Arena arena;
+  SegBlocks segs;
   int64_t tiles;  // per (b, hk)
 };
 
@@ -367,6 +510,8 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   t.col_h = cv.ints(kBq);
   t.kf = cv.ints(kBq);
   t.kl = cv.ints(kBq);
+  t.qseg = cv.i32(kBq);
+  KeyRun* runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBk));
   float* Qt = cv.floats(D * kBq);
   float* St = cv.floats(kBk * kBq);
   float* Ot = cv.floats(Dv * kBq);
@@ -389,29 +534,43 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
     memset(Ot, 0, Dv * np * sizeof(float));
     const bool f32 = p.dtype == DType::kF32;
-    const int64_t kbase = t.b * p.k_stride[0] + t.hk * p.k_stride[1];
-    const int64_t vbase = t.b * p.v_stride[0] + t.hk * p.v_stride[1];
     for (int64_t j0 = t.KF; j0 < t.KL; j0 += kBk) {
       const int64_t jn = min64(kBk, t.KL - j0);
-      const float *kp, *vp;
-      int64_t krs, vks;
-      if (f32) {  // K and V rows in place
-        kp = static_cast<const float*>(buf.k) + kbase + j0 * p.k_stride[2];
-        vp = static_cast<const float*>(buf.v) + vbase + j0 * p.v_stride[2];
-        krs = p.k_stride[2];
-        vks = p.v_stride[2];
-      } else {
-        for (int64_t j = 0; j < jn; ++j) {
-          load_row(buf.k, p.dtype, kbase + (j0 + j) * p.k_stride[2], D, Kf + j * D);
-          load_row(buf.v, p.dtype, vbase + (j0 + j) * p.v_stride[2], Dv, Vf + j * Dv);
+      const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
+      if (seg == SegCover::kNone) continue;  // no query of the tile meets a key of the block
+      const int64_t nruns = key_runs(p, t.b, t.hk, j0, jn, runs);
+      bool hidden_runs = false;
+      for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
+      // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
+      // scratch (zeros for hidden runs) and used as one run.
+      if (f32) {
+        const float* kp = static_cast<const float*>(buf.k);
+        for (int64_t r = 0; r < nruns; ++r) {
+          if (runs[r].k < 0) continue;
+          gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, Qt, np, St + runs[r].j * np,
+               np, false);
         }
-        kp = Kf;
-        vp = Vf;
-        krs = D;
-        vks = Dv;
+      } else {
+        for (int64_t r = 0; r < nruns; ++r)
+          for (int64_t j = 0; j < runs[r].n; ++j) {
+            float* kd = Kf + (runs[r].j + j) * D;
+            float* vd = Vf + (runs[r].j + j) * Dv;
+            if (runs[r].k < 0) {
+              memset(kd, 0, D * sizeof(float));
+              memset(vd, 0, Dv * sizeof(float));
+            } else {
+              load_row(buf.k, p.dtype, runs[r].k + j * p.k_stride[2], D, kd);
+              load_row(buf.v, p.dtype, runs[r].v + j * p.v_stride[2], Dv, vd);
+            }
+          }
+        gemm(jn, np, D, Kf, D, 1, Qt, np, St, np, false);
       }
-      gemm(jn, np, D, kp, krs, 1, Qt, np, St, np, false);  // S^T = K · Q^T
-      scale_and_mask(p, t, j0, jn, St);
+      scale_and_mask(p, t, j0, jn, St, seg, nullptr);
+      if (hidden_runs)
+        for (int64_t r = 0; r < nruns; ++r)
+          if (runs[r].k < 0)
+            for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x)
+              St[x] = -INFINITY;
       for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
         vf mx = splat(-INFINITY);
         for (int64_t j = 0; j < jn; ++j) mx = vmax(mx, loadv(St + j * np + c0));
@@ -432,7 +591,17 @@ void fwd_task(void* vctx, int64_t task, int participant) {
       for (int64_t d = 0; d < Dv; ++d)
         for (int64_t c0 = 0; c0 < np; c0 += W)
           storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
-      gemm(Dv, np, jn, vp, 1, vks, St, np, Ot, np, true);  // O^T += V^T · P^T
+      // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
+      if (f32) {
+        const float* vp = static_cast<const float*>(buf.v);
+        for (int64_t r = 0; r < nruns; ++r) {
+          if (runs[r].k < 0) continue;
+          gemm(Dv, np, runs[r].n, vp + runs[r].v, 1, p.v_stride[2], St + runs[r].j * np, np, Ot,
+               np, true);
+        }
+      } else {
+        gemm(Dv, np, jn, Vf, 1, Dv, St, np, Ot, np, true);
+      }
     }
   }
   // Finalize: out = O / l, lse = m + log l; nothing visible (l == 0) -> 0 and -inf. A NaN
@@ -454,7 +623,6 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     }
   }
 }
-
 // ---- backward ---------------------------------------------------------------------
 struct BwdCtx {
   const SdpaParams* p;
@@ -463,6 +631,7 @@ struct BwdCtx {
   int64_t nchunk, chunk;  // key chunks per (b, hk) and their length
   float* dq_part;         // [nchunk][B][Hk][Lq * G][Dp] float32
   int64_t Dp, Dvp;
+  SegBlocks segs;
 };
 
 void bwd_task(void* vctx, int64_t task, int participant) {
@@ -488,6 +657,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   t.col_h = cv.ints(kBq);
   t.kf = cv.ints(kBq);
   t.kl = cv.ints(kBq);
+  t.qseg = cv.i32(kBq);
   float* Kc = cv.floats(ctx.chunk * Dp);
   float* Vc = cv.floats(ctx.chunk * Dvp);
   float* dKc = cv.floats(ctx.chunk * Dp);
@@ -498,6 +668,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   float* dOr = cv.floats(kBq * Dvp);
   float* St = cv.floats(kBk * kBq);
   float* dPt = cv.floats(kBk * kBq);
+  float* dcap = p.logits_soft_cap > 0 ? cv.floats(kBk * kBq) : nullptr;
   float* lse_use = cv.floats(kBq);
   float* delta = cv.floats(kBq);
   float* tmp = cv.floats(2 * max64(Dp, Dvp));
@@ -521,6 +692,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     setup_tile(p, &t);
     const int64_t js = max64(t.KF, k0), je = min64(t.KL, k1e);
     if (je <= js) continue;
+    if (seg_cover(ctx.segs, b, js, je - js, t.qlo, t.qhi) == SegCover::kNone) continue;
     const int64_t np = t.np;
     pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, Dp, tmp);
     pack_rows(p, t, buf.dout, p.o_stride, Dv, dOt, dOr, Dvp, tmp);
@@ -539,18 +711,22 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     }
     for (int64_t j0 = js; j0 < je; j0 += kBk) {
       const int64_t jn = min64(kBk, je - j0);
+      const SegCover seg = seg_cover(ctx.segs, b, j0, jn, t.qlo, t.qhi);
+      if (seg == SegCover::kNone) continue;
       const float* kb = Kc + (j0 - k0) * Dp;
       const float* vb = Vc + (j0 - k0) * Dvp;
       gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
-      scale_and_mask(p, t, j0, jn, St);
+      scale_and_mask(p, t, j0, jn, St, seg, dcap);
       gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
       for (int64_t j = 0; j < jn; ++j)
         for (int64_t c0 = 0; c0 < np; c0 += W) {
           // P <= 1: the recomputed score can round above the forward's max near 1e30.
           vf pr = vexp(clamp_nonpositive(loadv(St + j * np + c0) - loadv(lse_use + c0)));
           storev(St + j * np + c0, pr);
-          // dS selected where P = 0: a hidden key's dP may be NaN, and 0 * NaN is NaN.
+          // dS (through the cap's derivative) selected where P = 0: a hidden key's dP or
+          // cap derivative may be NaN, and 0 * NaN is NaN.
           vf ds = pr * (loadv(dPt + j * np + c0) - loadv(delta + c0));
+          if (dcap) ds *= loadv(dcap + j * np + c0);
           storev(dPt + j * np + c0, select(pr == splat(0.0f), splat(0.0f), ds));
         }
       // dV += P^T · dO, dK += dS^T · Q, dQ += dS · K (scale applied at the end)
@@ -600,13 +776,19 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   ctx.buf = &buf;
   ctx.tiles = (rows + kBq - 1) / kBq;
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + floats_bytes(D * kBq) +
+  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
+               (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D * kBq) +
                floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) + floats_bytes(kBk * D) +
                floats_bytes(kBk * Dv) + 3 * floats_bytes(kBq) + floats_bytes(max64(D, Dv));
   const int parts = pool.participants();
   if (!arena_alloc(&ctx.arena, per, parts)) return "jax_sdpa cpu: out of memory (forward scratch)";
+  if (!seg_blocks_build(p, &ctx.segs)) {
+    free(ctx.arena.base);
+    return "jax_sdpa cpu: out of memory (segment ranges)";
+  }
   pool.parallel_for(p.batch * p.heads_kv * ctx.tiles, fwd_task, &ctx);
   free(ctx.arena.base);
+  free(ctx.segs.lo);
   return nullptr;
 }
 
@@ -637,7 +819,8 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
   ctx.dq_part = static_cast<float*>(calloc(ctx.nchunk * part_floats + 1, sizeof(float)));
   if (!ctx.dq_part) return "jax_sdpa cpu: out of memory (dq accumulator)";
   const int64_t Dp = ctx.Dp, Dvp = ctx.Dvp;
-  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + 2 * floats_bytes(ctx.chunk * Dp) +
+  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
+               floats_bytes(kBk * kBq) + 2 * floats_bytes(ctx.chunk * Dp) +
                2 * floats_bytes(ctx.chunk * Dvp) + floats_bytes(D * kBq) +
                floats_bytes(kBq * Dp) + floats_bytes(Dv * kBq) + floats_bytes(kBq * Dvp) +
                2 * floats_bytes(kBk * kBq) + 2 * floats_bytes(kBq) +
@@ -646,10 +829,16 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (backward scratch)";
   }
+  if (!seg_blocks_build(p, &ctx.segs)) {
+    free(ctx.arena.base);
+    free(ctx.dq_part);
+    return "jax_sdpa cpu: out of memory (segment ranges)";
+  }
   pool.parallel_for(ctx.nchunk * BH, bwd_task, &ctx);
   pool.parallel_for(p.batch * p.heads_q, dq_task, &ctx);
   free(ctx.arena.base);
   free(ctx.dq_part);
+  free(ctx.segs.lo);
   return nullptr;
 }
 
