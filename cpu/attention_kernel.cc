@@ -85,18 +85,24 @@ inline vf vexp(vf x) {
   return select(under, splat(0.0f), y);
 }
 
-// tanh: an odd Taylor polynomial below |x| = 0.25 (truncation < 1e-8 relative), else
-// 1 - 2 / (e^{2|x|} + 1) with x's sign (a few ulp; saturates to +-1). NaN stays NaN.
+// tanh: x * P(x^2) / Q(x^2) on x clamped to [-9, 9] (tanh(9) rounds to 1), a rational
+// least-squares fit of relative error (8e-8 in exact arithmetic, ~4e-7 evaluated in float32).
+// One division and no exp: the soft-capped path stays close to the plain one. NaN stays NaN.
 inline vf vtanh(vf x) {
-  const vf ax = select(x < splat(0.0f), -x, x);
-  const vf big = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f) * ax) + splat(1.0f));
-  const vf x2 = x * x;
-  vf poly = splat(62.0f / 2835.0f);
-  poly = poly * x2 + splat(-17.0f / 315.0f);
-  poly = poly * x2 + splat(2.0f / 15.0f);
-  poly = poly * x2 + splat(-1.0f / 3.0f);
-  const vf small = x + x * x2 * poly;
-  return select(ax < splat(0.25f), small, select(x < splat(0.0f), -big, big));
+  x = select(x > splat(9.0f), splat(9.0f), x);
+  x = select(x < splat(-9.0f), splat(-9.0f), x);
+  const vf y = x * x;
+  vf p = splat(1.89672167e-11f);
+  p = p * y + splat(-1.30800461e-08f);
+  p = p * y + splat(9.37335348e-06f);
+  p = p * y + splat(2.93278860e-03f);
+  p = p * y + splat(1.29305589e-01f);
+  p = p * y + splat(9.99999964e-01f);
+  vf q = splat(2.29738435e-04f);
+  q = q * y + splat(2.38128389e-02f);
+  q = q * y + splat(4.62638578e-01f);
+  q = q * y + splat(1.0f);
+  return x * p / q;
 }
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
