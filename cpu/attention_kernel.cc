@@ -488,6 +488,155 @@ int64_t key_runs(const SdpaParams& p, int64_t b, int64_t hk, int64_t j0, int64_t
   return nr;
 }
 
+// ---- narrow tiles (decode) ---------------------------------------------------------
+// A tile of at most kNarrow rows (decode: the heads of one GQA group) wastes most of the
+// transposed micro-kernel's vector lanes and is bound by its broadcast loads. Here K and V
+// rows are loaded as vectors instead: scores are dot products (W of them reduced at once by
+// transpose_sum), O rows accumulate V rows scaled by broadcast probabilities. Rows are
+// padded to a power of two NP2 <= W; keys go KJ = W / NP2 at a time.
+constexpr int64_t kNarrow = W < 8 ? W : 8;
+
+// lanes x of a, b: (x & h) ? a[x] + a[x + h] ... folded so the result holds a's pair sums
+// where bit h of the lane is clear and b's where it is set.
+template <int H>
+inline vf fold(vf a, vf b) {
+  vi lo, hi;
+  for (int x = 0; x < W; ++x) {
+    lo[x] = (x & H) ? W + x - H : x;
+    hi[x] = (x & H) ? W + x : x + H;
+  }
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+template <int H>
+inline void fold_level(vf* v, int n) {
+  for (int i = 0; i < n / 2; ++i) v[i] = fold<H>(v[2 * i], v[2 * i + 1]);
+}
+constexpr int bitrev(int x) {
+  int r = 0;
+  for (int b = 1; b < W; b <<= 1) r = r * 2 + ((x & b) ? 1 : 0);
+  return r;
+}
+// Lane x of the result is the sum of the lanes of v[x], x < W (v is overwritten).
+inline vf transpose_sum(vf* v) {
+  vf s[W];
+#pragma GCC unroll 16
+  for (int x = 0; x < W; ++x) s[x] = v[bitrev(x)];
+  if constexpr (W >= 16) fold_level<8>(s, 16);
+  if constexpr (W >= 8) fold_level<4>(s, 8);
+  fold_level<2>(s, 4);
+  fold_level<1>(s, 2);
+  return s[0];
+}
+
+// St[j][c] = K row j · Q row c for j < jn, c < NP2 (columns NP2.. of St are left alone);
+// kr[j] null: a hidden key, its row is 0 here.
+template <int NP2>
+void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Qr, int64_t Dp,
+                   const float* zero_row, float* St, int64_t np) {
+  constexpr int KJ = W / NP2;
+  for (int64_t j0 = 0; j0 < jn; j0 += KJ) {
+    const float* rows[KJ];
+#pragma GCC unroll 16
+    for (int u = 0; u < KJ; ++u) rows[u] = (j0 + u < jn && kr[j0 + u]) ? kr[j0 + u] : zero_row;
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int s = 0; s < W; ++s) acc[s] = vf{};
+    for (int64_t d = 0; d < D; d += W) {
+      vf kv[KJ];
+#pragma GCC unroll 16
+      for (int u = 0; u < KJ; ++u) kv[u] = loadv(rows[u] + d);
+#pragma GCC unroll 8
+      for (int c = 0; c < NP2; ++c) {
+        const vf qv = loadv(Qr + c * Dp + d);
+#pragma GCC unroll 16
+        for (int u = 0; u < KJ; ++u) acc[u * NP2 + c] += kv[u] * qv;
+      }
+    }
+    float lanes[W];
+    storev(lanes, transpose_sum(acc));
+    for (int u = 0; u < KJ && j0 + u < jn; ++u)
+      memcpy(St + (j0 + u) * np, lanes + u * NP2, NP2 * sizeof(float));
+  }
+}
+
+// Or[c][d0 .. d0 + DVC*W) = alpha[c] * Or[c][..] + sum_j P[j][c] * V row j, c < NP2.
+template <int NP2, int DVC>
+void narrow_values(int64_t d0, const float* const* vr, int64_t jn, const float* P, int64_t np,
+                   const float* alpha, float* Or, int64_t ldo) {
+  vf acc[NP2][DVC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NP2; ++c)
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) acc[c][u] = loadv(Or + c * ldo + d0 + u * W) * splat(alpha[c]);
+  for (int64_t j = 0; j < jn; ++j) {
+    if (!vr[j]) continue;  // hidden: P = 0 and never read
+    vf vv[DVC];
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) vv[u] = loadv(vr[j] + d0 + u * W);
+#pragma GCC unroll 8
+    for (int c = 0; c < NP2; ++c) {
+      const vf pc = splat(P[j * np + c]);
+#pragma GCC unroll 8
+      for (int u = 0; u < DVC; ++u) acc[c][u] += pc * vv[u];
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NP2; ++c)
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) storev(Or + c * ldo + d0 + u * W, acc[c][u]);
+}
+
+constexpr int dvc_for(int np2) { return np2 >= 8 ? 1 : (np2 >= 4 ? 2 : 4); }
+
+template <int NP2>
+void narrow_values_all(int64_t Dv, const float* const* vr, int64_t jn, const float* P,
+                       int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  constexpr int C = dvc_for(NP2);
+  int64_t d0 = 0;
+  for (; d0 + C * W <= Dv; d0 += C * W) narrow_values<NP2, C>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 < Dv; d0 += W) narrow_values<NP2, 1>(d0, vr, jn, P, np, alpha, Or, ldo);
+}
+
+int np2_for(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+
+void narrow_scores_any(int np2, int64_t D, const float* const* kr, int64_t jn, const float* Qr,
+                       int64_t Dp, const float* zero_row, float* St, int64_t np) {
+  switch (np2) {
+    case 1: return narrow_scores<1>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    case 2: return narrow_scores<2>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    case 4: return narrow_scores<(W >= 4 ? 4 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    default: return narrow_scores<(W >= 8 ? 8 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np);
+  }
+}
+void narrow_values_any(int np2, int64_t Dv, const float* const* vr, int64_t jn, const float* P,
+                       int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  switch (np2) {
+    case 1: return narrow_values_all<1>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 2: return narrow_values_all<2>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 4: return narrow_values_all<(W >= 4 ? 4 : 1)>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    default: return narrow_values_all<(W >= 8 ? 8 : 1)>(Dv, vr, jn, P, np, alpha, Or, ldo);
+  }
+}
+
+// 16-bit K and V rows of a block's runs converted to float32 rows j of Kf / Vf (zeros
+// for hidden runs: never read).
+void load_block_rows(const SdpaParams& p, const SdpaFwdBuffers& buf, const KeyRun* runs,
+                     int64_t nruns, float* Kf, float* Vf) {
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  for (int64_t r = 0; r < nruns; ++r)
+    for (int64_t j = 0; j < runs[r].n; ++j) {
+      float* kd = Kf + (runs[r].j + j) * D;
+      float* vd = Vf + (runs[r].j + j) * Dv;
+      if (runs[r].k < 0) {
+        memset(kd, 0, D * sizeof(float));
+        memset(vd, 0, Dv * sizeof(float));
+      } else {
+        load_row(buf.k, p.dtype, runs[r].k + j * p.k_stride[2], D, kd);
+        load_row(buf.v, p.dtype, runs[r].v + j * p.v_stride[2], Dv, vd);
+      }
+    }
+}
+
 // ---- forward ----------------------------------------------------------------------
 struct FwdCtx {
   const SdpaParams* p;
@@ -529,6 +678,14 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   float* tmp = cv.floats(max64(D, Dv));
   setup_tile(p, &t);
   const int64_t np = t.np;
+  // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
+  const bool narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
+  const int np2 = np2_for(t.n);
+  float* Qr = cv.floats(W * D);
+  float* Or = cv.floats(W * Dv);
+  float* zero_row = cv.floats(D);
+  const float** kr = reinterpret_cast<const float**>(cv.ints(kBk));
+  const float** vr = reinterpret_cast<const float**>(cv.ints(kBk));
 
   for (int64_t c = 0; c < np; ++c) {
     bool sink = p.sinks && c < t.n && t.col_i[c] < t.qlen;
@@ -537,8 +694,15 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     l[c] = sink ? 1.0f : 0.0f;
   }
   if (t.KL > t.KF) {
-    pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
-    memset(Ot, 0, Dv * np * sizeof(float));
+    if (narrow) {
+      pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, D, tmp);
+      memset(Or, 0, np2 * Dv * sizeof(float));
+      memset(zero_row, 0, D * sizeof(float));
+      memset(St, 0, kBk * np * sizeof(float));  // the padding columns stay finite
+    } else {
+      pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
+      memset(Ot, 0, Dv * np * sizeof(float));
+    }
     const bool f32 = p.dtype == DType::kF32;
     for (int64_t j0 = t.KF; j0 < t.KL; j0 += kBk) {
       const int64_t jn = min64(kBk, t.KL - j0);
@@ -549,7 +713,23 @@ void fwd_task(void* vctx, int64_t task, int participant) {
       for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
       // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
       // scratch (zeros for hidden runs) and used as one run.
-      if (f32) {
+      if (narrow) {
+        if (!f32) load_block_rows(p, buf, runs, nruns, Kf, Vf);
+        for (int64_t r = 0; r < nruns; ++r)
+          for (int64_t j = 0; j < runs[r].n; ++j) {
+            const int64_t jj = runs[r].j + j;
+            if (runs[r].k < 0) {
+              kr[jj] = vr[jj] = nullptr;
+            } else if (f32) {
+              kr[jj] = static_cast<const float*>(buf.k) + runs[r].k + j * p.k_stride[2];
+              vr[jj] = static_cast<const float*>(buf.v) + runs[r].v + j * p.v_stride[2];
+            } else {
+              kr[jj] = Kf + jj * D;
+              vr[jj] = Vf + jj * Dv;
+            }
+          }
+        narrow_scores_any(np2, D, kr, jn, Qr, D, zero_row, St, np);
+      } else if (f32) {
         const float* kp = static_cast<const float*>(buf.k);
         for (int64_t r = 0; r < nruns; ++r) {
           if (runs[r].k < 0) continue;
@@ -557,18 +737,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
                np, false);
         }
       } else {
-        for (int64_t r = 0; r < nruns; ++r)
-          for (int64_t j = 0; j < runs[r].n; ++j) {
-            float* kd = Kf + (runs[r].j + j) * D;
-            float* vd = Vf + (runs[r].j + j) * Dv;
-            if (runs[r].k < 0) {
-              memset(kd, 0, D * sizeof(float));
-              memset(vd, 0, Dv * sizeof(float));
-            } else {
-              load_row(buf.k, p.dtype, runs[r].k + j * p.k_stride[2], D, kd);
-              load_row(buf.v, p.dtype, runs[r].v + j * p.v_stride[2], Dv, vd);
-            }
-          }
+        load_block_rows(p, buf, runs, nruns, Kf, Vf);
         gemm(jn, np, D, Kf, D, 1, Qt, np, St, np, false);
       }
       scale_and_mask(p, t, j0, jn, St, seg, nullptr);
@@ -593,6 +762,10 @@ void fwd_task(void* vctx, int64_t task, int participant) {
         storev(l + c0, loadv(l + c0) * al + sum);
         storev(m + c0, mn);
         storev(alpha + c0, al);
+      }
+      if (narrow) {  // O = alpha * O + P · V
+        narrow_values_any(np2, Dv, vr, jn, St, np, alpha, Or, Dv);
+        continue;
       }
       for (int64_t d = 0; d < Dv; ++d)
         for (int64_t c0 = 0; c0 < np; c0 += W)
@@ -619,7 +792,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     const bool live = i < t.qlen && l[c] != 0.0f;
     *lse = live ? m[c] + logf(l[c]) : -INFINITY;
     if (live && t.KL > t.KF) {
-      for (int64_t d = 0; d < Dv; ++d) tmp[d] = Ot[d * np + c];
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? Or[c * Dv + d] : Ot[d * np + c];
       store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
     } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
@@ -783,7 +956,8 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   ctx.tiles = (rows + kBq - 1) / kBq;
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   size_t per = 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
-               (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D * kBq) +
+               (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(W * D) + floats_bytes(W * Dv) +
+               floats_bytes(D) + 2 * (size_t)round_up(kBk * 8, 64) + floats_bytes(D * kBq) +
                floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) + floats_bytes(kBk * D) +
                floats_bytes(kBk * Dv) + 3 * floats_bytes(kBq) + floats_bytes(max64(D, Dv));
   const int parts = pool.participants();

@@ -245,3 +245,38 @@ def test_soft_cap_with_segments_and_tiny_logits(rng):
     want, _, _ = _softcap_oracle(q, k, v, dout, scale=1.0, cap=0.01,
                                  bias=np.where(_segment_mask(ids, ids, hq), 0.0, -np.inf))
     assert _rel(small_cap, want) <= RTOL
+
+
+# ---------------------------------------------------------------------------
+# decode-shaped tiles (at most 8 rows of one kv head: the narrow kernels)
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 300, 64), (1, 4, 4, 1, 77, 16),
+                                   (3, 16, 2, 1, 129, 128), (1, 6, 2, 2, 65, 32),
+                                   (1, 2, 1, 3, 200, 8)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_decode_tiles(shape, dtype, rng):
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    if dtype == "bfloat16":
+        q, k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
+    kvl = rng.integers(1, lk + 1, size=b).astype(np.int32)
+    sinks = _normal(rng, 1, hq)
+    cap = 5.0
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks, window_right=0,
+              bottom_right=True)
+    dt = jnp.dtype(dtype)
+    out, lse = _call_fwd(*(jnp.asarray(x, dt) for x in (q, k, v)), **kw)
+    want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                    v.astype(np.float64), scale=1 / np.sqrt(d),
+                                    sinks=sinks.astype(np.float64), kv_lengths=kvl,
+                                    window_right=0, bottom_right=True)
+    tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
+    assert _rel(out.astype(np.float32), want) <= tol
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+    # with the soft cap (full lengths: the dense oracle here has no lengths)
+    kw.update(kv_lengths=None, logits_soft_cap=cap)
+    out, _ = _call_fwd(*(jnp.asarray(x, dt) for x in (q, k, v)), **kw)
+    want, _, _ = _softcap_oracle(q, k, v, np.zeros(out.shape), scale=1 / np.sqrt(d), cap=cap,
+                                 sinks=sinks[0].astype(np.float64), causal=True)
+    assert _rel(out.astype(np.float32), want) <= tol
