@@ -44,6 +44,7 @@ constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 xmm/NEON registers (of 32 on 
 #endif
 constexpr int64_t kBq = 64;  // rows (queries x group heads) per tile
 constexpr int64_t kBk = 64;  // keys per block
+constexpr int64_t kSplitKeys = 512;  // fewest keys worth a task of their own (split keys)
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -644,7 +645,48 @@ struct FwdCtx {
   Arena arena;
   SegBlocks segs;
   int64_t tiles;  // per (b, hk)
+  // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
+  // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
+  // state in part; the share that finishes last (done[tile] counts them) merges them.
+  int64_t nsplit = 1;
+  int64_t part_floats = 0;  // per share: m, l (kBq each), O (kBq * Dv)
+  float* part = nullptr;
+  int64_t* done = nullptr;
 };
+
+// The softmax state of one tile: row maxima m, sums l, unnormalized O (narrow: rows of Dv,
+// else transposed [Dv][np]).
+void merge_shares(const FwdCtx& ctx, int64_t tile_id, const Tile& t, bool narrow, float* m,
+                  float* l, float* O) {
+  const int64_t Dv = ctx.p->head_dim_v, np = t.np, ns = ctx.nsplit;
+  const float* base = ctx.part + tile_id * ns * ctx.part_floats;
+  for (int64_t c = 0; c < t.n; ++c) {
+    float M = -INFINITY;
+    bool nan = false;
+    for (int64_t s = 0; s < ns; ++s) {
+      const float ms = base[s * ctx.part_floats + c];
+      nan |= ms != ms;
+      M = ms > M ? ms : M;
+    }
+    if (nan) M = NAN;
+    const float mu = M == -INFINITY ? 0.0f : M;
+    float lsum = 0.0f;
+    for (int64_t d = 0; d < Dv; ++d) O[narrow ? c * Dv + d : d * np + c] = 0.0f;
+    for (int64_t s = 0; s < ns; ++s) {
+      const float* sh = base + s * ctx.part_floats;
+      const float f = expf(sh[c] - mu);  // 0 for a share that saw nothing
+      if (f == 0.0f) continue;
+      lsum += sh[kBq + c] * f;
+      const float* Os = sh + 2 * kBq;
+      for (int64_t d = 0; d < Dv; ++d) {
+        const int64_t x = narrow ? c * Dv + d : d * np + c;
+        O[x] += Os[x] * f;
+      }
+    }
+    m[c] = M;
+    l[c] = nan ? NAN : lsum;
+  }
+}
 
 void fwd_task(void* vctx, int64_t task, int participant) {
   const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
@@ -653,7 +695,8 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group();
   const int64_t BH = p.batch * p.heads_kv;
   // Heaviest tiles (latest queries under a causal band) first.
-  const int64_t tile = ctx.tiles - 1 - task / BH, bh = task % BH;
+  const int64_t share = task % ctx.nsplit, tile_task = task / ctx.nsplit;
+  const int64_t tile = ctx.tiles - 1 - tile_task / BH, bh = tile_task % BH;
 
   Carver cv{ctx.arena.base + ctx.arena.per * participant};
   Tile t;
@@ -688,24 +731,28 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   const float** vr = reinterpret_cast<const float**>(cv.ints(kBk));
 
   for (int64_t c = 0; c < np; ++c) {
-    bool sink = p.sinks && c < t.n && t.col_i[c] < t.qlen;
+    bool sink = share == 0 && p.sinks && c < t.n && t.col_i[c] < t.qlen;
     // A sink is one more softmax column with logit sinks[h] and no value.
     m[c] = sink ? p.sinks[t.b * p.sinks_batch_stride + t.col_h[c]] : -INFINITY;
     l[c] = sink ? 1.0f : 0.0f;
   }
-  if (t.KL > t.KF) {
+  float* O = narrow ? Or : Ot;
+  memset(O, 0, Dv * (narrow ? np2 : np) * sizeof(float));
+  // This task's share of the tile's key blocks.
+  const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + kBk - 1) / kBk : 0;
+  const int64_t ka = t.KF + share * nblk / ctx.nsplit * kBk;
+  const int64_t kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
+  if (kb > ka) {
     if (narrow) {
       pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, D, tmp);
-      memset(Or, 0, np2 * Dv * sizeof(float));
       memset(zero_row, 0, D * sizeof(float));
       memset(St, 0, kBk * np * sizeof(float));  // the padding columns stay finite
     } else {
       pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
-      memset(Ot, 0, Dv * np * sizeof(float));
     }
     const bool f32 = p.dtype == DType::kF32;
-    for (int64_t j0 = t.KF; j0 < t.KL; j0 += kBk) {
-      const int64_t jn = min64(kBk, t.KL - j0);
+    for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
+      const int64_t jn = min64(kBk, kb - j0);
       const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
       if (seg == SegCover::kNone) continue;  // no query of the tile meets a key of the block
       const int64_t nruns = key_runs(p, t.b, t.hk, j0, jn, runs);
@@ -782,6 +829,14 @@ void fwd_task(void* vctx, int64_t task, int participant) {
         gemm(Dv, np, jn, Vf, 1, Dv, St, np, Ot, np, true);
       }
     }
+  }
+  if (ctx.nsplit > 1) {  // leave this share's state; the last share of the tile merges
+    float* mine = ctx.part + task * ctx.part_floats;
+    memcpy(mine, m, t.n * sizeof(float));
+    memcpy(mine + kBq, l, t.n * sizeof(float));
+    memcpy(mine + 2 * kBq, O, Dv * (narrow ? np2 : np) * sizeof(float));
+    if (__atomic_add_fetch(&ctx.done[tile_task], 1, __ATOMIC_ACQ_REL) != ctx.nsplit) return;
+    merge_shares(ctx, tile_task, t, narrow, m, l, O);
   }
   // Finalize: out = O / l, lse = m + log l; nothing visible (l == 0) -> 0 and -inf. A NaN
   // score made l NaN: the row is NaN (l > 0 would call it empty).
@@ -966,9 +1021,28 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
     free(ctx.arena.base);
     return "jax_sdpa cpu: out of memory (segment ranges)";
   }
-  pool.parallel_for(p.batch * p.heads_kv * ctx.tiles, fwd_task, &ctx);
+  const int64_t tile_tasks = p.batch * p.heads_kv * ctx.tiles;
+  if (parts > 1 && tile_tasks < 4 * parts) {
+    ctx.nsplit = max64(1, min64(min64((4 * parts + tile_tasks - 1) / tile_tasks,
+                                      p.len_kv / kSplitKeys), 16));
+  }
+  if (ctx.nsplit > 1) {
+    ctx.part_floats = 2 * kBq + kBq * Dv;
+    ctx.part = static_cast<float*>(malloc(tile_tasks * ctx.nsplit * ctx.part_floats * 4));
+    ctx.done = static_cast<int64_t*>(calloc(tile_tasks, sizeof(int64_t)));
+    if (!ctx.part || !ctx.done) {
+      free(ctx.part);
+      free(ctx.done);
+      ctx.part = nullptr;
+      ctx.done = nullptr;
+      ctx.nsplit = 1;  // no room for the shares: unsplit
+    }
+  }
+  pool.parallel_for(tile_tasks * ctx.nsplit, fwd_task, &ctx);
   free(ctx.arena.base);
   free(ctx.segs.lo);
+  free(ctx.part);
+  free(ctx.done);
   return nullptr;
 }
 

@@ -280,3 +280,29 @@ def test_decode_tiles(shape, dtype, rng):
     want, _, _ = _softcap_oracle(q, k, v, np.zeros(out.shape), scale=1 / np.sqrt(d), cap=cap,
                                  sinks=sinks[0].astype(np.float64), causal=True)
     assert _rel(out.astype(np.float32), want) <= tol
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 1, 3000, 64), (1, 2, 2, 40, 2500, 32),
+                                   (1, 3, 1, 2, 1100, 24)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_keys_split_across_threads(shape, rng):
+    """Few tiles and many keys: each tile's keys are cut into shares whose softmax states
+    merge; a share past the length sees nothing, a NaN key reaches only its rows."""
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    sinks = _normal(rng, 1, hq)
+    for kvl in (lk, lk // 3):
+        lengths = np.full(b, kvl, np.int32)
+        kw = dict(scale=1 / np.sqrt(d), kv_lengths=lengths, sinks=sinks)
+        out, lse = _call_fwd(q, k, v, **kw)
+        want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                        v.astype(np.float64), scale=1 / np.sqrt(d),
+                                        sinks=sinks.astype(np.float64), kv_lengths=lengths)
+        assert _rel(out, want) <= RTOL
+        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+    k_nan = k.copy()
+    k_nan[0, 0, lk - 5] = np.nan  # in the last share; kv head 0 only
+    out, lse = _call_fwd(q, k_nan, v, scale=1 / np.sqrt(d))
+    g = hq // hk
+    assert np.isnan(out[0, :g]).all() and np.isnan(lse[0, :g]).all()
+    assert np.isfinite(out[0, g:]).all()
