@@ -138,6 +138,61 @@ def _check_window(local_window_size):
     return left, right
 
 
+def _check_soft_cap(logits_soft_cap):
+    """logits_soft_cap as a static float > 0, or 0.0 (off) for None."""
+    if logits_soft_cap is None:
+        return 0.0
+    what = f"{type(logits_soft_cap).__name__} {logits_soft_cap!r}"[:80]
+    if isinstance(logits_soft_cap, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"logits_soft_cap must be None or a positive number, got {what}")
+    try:
+        value = np.asarray(logits_soft_cap)
+    except Exception as e:  # noqa: BLE001 - a traced value lands here
+        raise TypeError(f"logits_soft_cap must be a static Python number (the kernels take "
+                        f"it as an attribute), got {what}") from e
+    if value.ndim != 0 or not (np.issubdtype(value.dtype, np.floating)
+                               or np.issubdtype(value.dtype, np.integer)):
+        raise TypeError(f"logits_soft_cap must be None or a positive number, got {what}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"logits_soft_cap must be None or a finite number > 0, got {value}")
+    return value
+
+
+def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, len_q, len_kv, dims=("Lq", "Lk"),
+                       rank1_ok=False):
+    """(q ids int32 [B, Lq], kv ids int32 [B, Lk]) or (None, None); kv_segment_ids None
+    means the query's own (then Lq must equal Lk). `rank1_ok`: [L] stands for [1, L] (the
+    jax.nn entry's unbatched inputs)."""
+    if q_segment_ids is None:
+        if kv_segment_ids is not None:
+            raise ValueError("kv_segment_ids needs q_segment_ids (the ids of the queries)")
+        return None, None
+
+    def check(x, name, length, dim):
+        x = _as_array(x, name)
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an int32 array of shape [B, {dim}] = "
+                            f"[{batch}, {length}], got dtype {x.dtype}")
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} dtype should be int32, got {x.dtype}")
+        if rank1_ok and x.ndim == 1 and batch == 1:
+            x = x[None]
+        if x.shape != (batch, length):
+            raise ValueError(f"{name} must have shape [B, {dim}] = [{batch}, {length}], got "
+                             f"{x.shape}")
+        return x
+
+    q_ids = check(q_segment_ids, "q_segment_ids", len_q, dims[0])
+    if kv_segment_ids is None:
+        if len_q != len_kv:
+            raise ValueError(f"q_segment_ids alone stands for the keys' ids too, which needs "
+                             f"equal query and key lengths ({dims[0]} = {len_q}, "
+                             f"{dims[1]} = {len_kv}): pass kv_segment_ids")
+        return q_ids, q_ids
+    return q_ids, check(kv_segment_ids, "kv_segment_ids", len_kv, dims[1])
+
+
 def _check_bool(x, name):
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
@@ -181,19 +236,23 @@ def _trace_platform():
     return backend
 
 
-def _check_named(implementation, q, k, v, mask, sinks, q_lengths, kv_lengths, params):
+def _check_named(implementation, q, k, v, mask, sinks, q_lengths, kv_lengths, params,
+                 q_segment_ids=None, kv_segment_ids=None):
     if implementation is None:
         return
-    cfg = _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+    cfg = _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids,
+                  kv_segment_ids)
     dispatch.choose(cfg, _trace_platform(), "fwd", implementation)
 
 
-def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params) -> Config:
+def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids=None,
+            kv_segment_ids=None) -> Config:
     return Config.from_shapes(
         q.shape, k.shape, v.shape, q.dtype,
         None if mask is None else mask.shape, None if mask is None else mask.dtype,
         sinks is not None, q_lengths is not None, kv_lengths is not None, params,
-        sinks_batch=1 if sinks is None else sinks.shape[0])
+        sinks_batch=1 if sinks is None else sinks.shape[0],
+        has_segment_ids=q_segment_ids is not None)
 
 
 # Zero features stand in for a head dim of 0 (every score is then 0, plus the masks):
@@ -201,8 +260,10 @@ def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params) -> Config:
 _EMPTY_DIM_STANDIN = 8
 
 
-def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
+def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids=None,
+         kv_segment_ids=None):
     """(out, lse) through the differentiable op; handles empty sequences and head dims."""
+    segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     len_q, len_kv = (q.shape[1], k.shape[1]) if params.seq_major else (q.shape[2], k.shape[2])
     b = q.shape[0]
     hq = q.shape[2] if params.seq_major else q.shape[1]
@@ -214,23 +275,29 @@ def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
         k = jnp.zeros(k.shape[:3] + (_EMPTY_DIM_STANDIN,), k.dtype)
     if v.shape[3] == 0:
         standin = jnp.zeros(v.shape[:3] + (_EMPTY_DIM_STANDIN,), v.dtype)
-        out, lse = vjp.attention(q, k, standin, mask, sinks, q_lengths, kv_lengths, params)
+        out, lse = vjp.attention(q, k, standin, mask, sinks, q_lengths, kv_lengths, params,
+                                 **segments)
         return out[..., :0], lse
-    return vjp.attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+    return vjp.attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params, **segments)
 
 
 @functools.partial(jax.jit, static_argnames=("params",))
-def _attend(q, k, v, mask, sinks, q_lengths, kv_lengths, params):
+def _attend(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+            params):
     """The MLX entry's computation, jitted: eager calls then expose only its result to
     debug_nans / debug_infs (the lse of an empty row is -inf by contract)."""
-    return _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params)[0]
+    return _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids,
+                kv_segment_ids)[0]
 
 
 # ---------------------------------------------------------------------------
 # MLX contract
 
 def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_seq_lengths,
-                      implementation):
+                      implementation, q_segment_ids=None, kv_segment_ids=None,
+                      logits_soft_cap=None, local_window_size=None):
+    """The MLX entry's validated, canonical arguments: (q, k, v, mask, sinks, q_lengths,
+    kv_lengths, params, q_segment_ids, kv_segment_ids)."""
     q, k, v = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if x.ndim != 4:
@@ -254,11 +321,12 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
     dtype = jnp.result_type(q, k, v)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
-    window_right, bottom_right = -1, False
+    # A band (window and/or causal) is aligned bottom-right, as MLX's causal mask.
+    window_left, window_right = _check_window(local_window_size)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an array, got the string {mask!r}")
-        window_right, bottom_right, mask = 0, True, None
+        window_right, mask = (0 if window_right < 0 else min(window_right, 0)), None
     elif mask is not None:
         mask = _canonical_mask_dtype(_as_array(mask, "mask"), "mask")
         mask = _broadcast_mask(mask, "mask", (b, hq, lq, lk))
@@ -267,16 +335,20 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
 
     q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, lq)
     kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, lk)
+    q_ids, kv_ids = _check_segment_ids(q_segment_ids, kv_segment_ids, b, lq, lk)
     scale = _check_scale(scale, d, "D")
-    params = StaticParams(scale=scale, window_left=-1, window_right=window_right,
-                          bottom_right=bottom_right, seq_major=False,
-                          implementation=implementation)
-    return q, k, v, mask, sinks, q_lengths, kv_lengths, params
+    params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
+                          bottom_right=window_left >= 0 or window_right >= 0, seq_major=False,
+                          implementation=implementation,
+                          logits_soft_cap=_check_soft_cap(logits_soft_cap))
+    return q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_ids, kv_ids
 
 
 def scaled_dot_product_attention(q, k, v, *, scale: Optional[float] = None, mask=None,
                                  sinks=None, query_seq_lengths=None,
-                                 key_value_seq_lengths=None,
+                                 key_value_seq_lengths=None, q_segment_ids=None,
+                                 kv_segment_ids=None, logits_soft_cap: Optional[float] = None,
+                                 local_window_size=None,
                                  implementation: Optional[str] = None):
     """Attention with MLX's `mx.fast.scaled_dot_product_attention` semantics.
 
@@ -284,14 +356,21 @@ def scaled_dot_product_attention(q, k, v, *, scale: Optional[float] = None, mask
     `mask`: None, "causal" (bottom-right aligned), a bool array (True = attend) or an
     additive float array broadcastable to [B, Hq, Lq, Lk]. `sinks`: [Hq] logits.
     `query_seq_lengths` / `key_value_seq_lengths`: int [B] valid lengths.
+    `q_segment_ids` / `kv_segment_ids`: int32 [B, Lq] / [B, Lk] (packed sequences: a query
+    sees a key only where their ids are equal; `q_segment_ids` alone serves as both).
+    `logits_soft_cap`: None or c > 0: logits become c * tanh(scale * q.k / c) before the
+    mask is added (sinks are not capped).
+    `local_window_size`: None, w or (left, right): query i sees keys i+offset-left ...
+    i+offset+right, bottom-right aligned like "causal" (offset = Lk - Lq, per row with
+    lengths); with mask="causal" right becomes min(right, 0).
     `implementation`: None (fastest that serves) or one of
     "cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked".
     """
     args = _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths,
-                             key_value_seq_lengths, implementation)
+                             key_value_seq_lengths, implementation, q_segment_ids,
+                             kv_segment_ids, logits_soft_cap, local_window_size)
     _check_named(implementation, *args)
-    q, k, v, mask, sinks, q_lengths, kv_lengths, params = args
-    return _attend(q, k, v, mask, sinks, q_lengths, kv_lengths, params=params)
+    return _attend(*args[:7], *args[8:], params=args[7])
 
 
 # ---------------------------------------------------------------------------
@@ -305,10 +384,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                           scale: Optional[float] = None, is_causal: bool = False,
                           query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation: Optional[str] = None,
-                          return_residual: bool = False, sinks=None):
+                          return_residual: bool = False, sinks=None, q_segment_ids=None,
+                          kv_segment_ids=None, logits_soft_cap: Optional[float] = None):
     """A drop-in for `jax.nn.dot_product_attention` (same arguments, layout [B, T, N, H] or
     [T, N, H], top-left causal, same results as its 'xla' implementation), plus
-    `sinks` ([N] logits) and the implementations of `scaled_dot_product_attention`."""
+    `sinks` ([N] logits), `q_segment_ids` / `kv_segment_ids` (int32 [B, T] / [B, S]; a query
+    sees a key only where their ids are equal, `q_segment_ids` alone serves as both),
+    `logits_soft_cap` (c > 0: logits become c * tanh(scale * q.k / c) before bias and mask)
+    and the implementations of `scaled_dot_product_attention`. A query row that sees no key
+    averages the values uniformly, as jax.nn's does for a fully masked row."""
     query, key, value = (_as_array(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
     output_shape = query.shape
@@ -355,18 +439,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         window_right = 0 if window_right < 0 else min(window_right, 0)
     return_residual = _check_bool(return_residual, "return_residual")
     sinks = _check_sinks(sinks, n, "N")
+    q_ids, kv_ids = _check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s, ("T", "S"),
+                                       rank1_ok=output_shape != query.shape)
     scale = _check_scale(scale, h, "H")
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
-                          bottom_right=False, seq_major=True, implementation=implementation)
+                          bottom_right=False, seq_major=True, implementation=implementation,
+                          logits_soft_cap=_check_soft_cap(logits_soft_cap))
     present = [x for x in (bias, mask) if x is not None]
     combined = None if not present else jax.ShapeDtypeStruct(  # what _attend_jax_nn passes
         jnp.broadcast_shapes(*(x.shape for x in present)), present[0].dtype)
     _check_named(implementation, query, key, value, combined, sinks, q_lengths, kv_lengths,
-                 params)
-    may_be_empty = _rows_may_be_empty(bias is not None or mask is not None, kv_lengths,
-                                      window_left, t, s)
+                 params, q_ids, kv_ids)
+    may_be_empty = _rows_may_be_empty(bias is not None or mask is not None or q_ids is not None,
+                                      kv_lengths, window_left, t, s)
     out, residual = _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths,
-                                   params=params, may_be_empty=may_be_empty)
+                                   q_ids, kv_ids, params=params, may_be_empty=may_be_empty)
     out = out.reshape(output_shape)
     if return_residual:
         residual = jax.lax.stop_gradient(residual).astype(key.dtype)
@@ -375,14 +462,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("params", "may_be_empty"))
-def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, params,
-                   may_be_empty):
+def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                   kv_segment_ids, params, may_be_empty):
     """The jax.nn entry's computation, jitted (see `_attend`): (out, residual lse B T N)."""
     combined = bias
     if mask is not None:  # both: one additive mask (masked entries can never be seen)
         combined = mask if bias is None else jnp.where(
             mask, bias, jnp.asarray(-jnp.inf, bias.dtype))
-    out, lse = _run(query, key, value, combined, sinks, q_lengths, kv_lengths, params)
+    out, lse = _run(query, key, value, combined, sinks, q_lengths, kv_lengths, params,
+                    q_segment_ids, kv_segment_ids)
     t, n = query.shape[1], query.shape[2]
     if may_be_empty or q_lengths is not None:
         out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
@@ -392,7 +480,7 @@ def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, 
 def _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s):
     """Can a (non-padded) query row have no visible key under jax.nn's top-left rules?
     Causal and right windows always leave key 0 visible; a left window empties the
-    rows past the keys' end; masks and key lengths can empty any row."""
+    rows past the keys' end; masks, segment ids and key lengths can empty any row."""
     return (has_mask or kv_lengths is not None
             or (window_left >= 0 and t - 1 - window_left > s - 1))
 
@@ -442,8 +530,9 @@ class Explanation:
 
 
 def explain(q, k, v, *, scale=None, mask=None, sinks=None, query_seq_lengths=None,
-            key_value_seq_lengths=None, implementation=None, platform: Optional[str] = None,
-            direction: str = "fwd") -> Explanation:
+            key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None,
+            logits_soft_cap=None, local_window_size=None, implementation=None,
+            platform: Optional[str] = None, direction: str = "fwd") -> Explanation:
     """Same arguments as `scaled_dot_product_attention` (arrays or jax.ShapeDtypeStruct):
     returns which implementation `implementation=None` would choose on `platform`
     (default: the default backend) and, for every implementation, whether it can serve
@@ -452,14 +541,14 @@ def explain(q, k, v, *, scale=None, mask=None, sinks=None, query_seq_lengths=Non
     captured = {}
     mask_string = mask if isinstance(mask, str) else None
 
-    def trace(q, k, v, mask_array, sinks, ql, kvl):
+    def trace(q, k, v, mask_array, sinks, ql, kvl, q_ids, kv_ids):
         args = _canonicalize_mlx(q, k, v, scale, mask_string or mask_array, sinks, ql, kvl,
-                                 None)
+                                 None, q_ids, kv_ids, logits_soft_cap, local_window_size)
         captured["cfg"] = _config(*args)
         return jnp.zeros(())
 
     jax.eval_shape(trace, q, k, v, None if mask_string else mask, sinks, query_seq_lengths,
-                   key_value_seq_lengths)
+                   key_value_seq_lengths, q_segment_ids, kv_segment_ids)
     cfg = captured["cfg"]
     platform = platform or _trace_platform()
     chosen, verdicts = dispatch.explain_choice(cfg, platform, direction)

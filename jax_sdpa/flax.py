@@ -25,11 +25,23 @@ path that materializes the attention weights (and is therefore only chosen when 
 With a named fused `implementation` those cases raise `NotImplementedError` instead.
 The fused softmax is always float32; with `force_fp32_for_softmax` and 16-bit inputs the
 result is float32, as Flax's is (its float32 weights promote the weighted sum).
+
+Packed sequences: Flax's attention modules pass no segment ids to their `attention_fn`, so
+a model sets them for the calls it traces inside a `segment_ids` block:
+
+    def loss_fn(model, tokens, ids):           # ids: int32 [batch..., L]
+        with jax_sdpa.flax.segment_ids(ids):    # every jax_sdpa attention_fn call inside
+            logits = model(tokens)              # attends within its segment only
+        ...
+
+The ids are read when the attention function is traced, so the block belongs inside the
+function that is jitted (or differentiated), around the model call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from typing import Any, Callable, Optional
 
@@ -38,7 +50,37 @@ import jax.numpy as jnp
 
 from jax_sdpa import api
 
-__all__ = ["attention_fn", "make_attention_fn"]
+__all__ = ["attention_fn", "make_attention_fn", "segment_ids"]
+
+# (q ids, kv ids or None) of the enclosing `segment_ids` block, None outside one.
+_SEGMENT_IDS = contextvars.ContextVar("jax_sdpa_flax_segment_ids", default=None)
+
+
+@contextlib.contextmanager
+def segment_ids(q_segment_ids, kv_segment_ids=None):
+    """Packed sequences for the jax_sdpa attention functions called (traced) inside the
+    block: int32 ids [batch..., T] of the queries and [batch..., S] of the keys (None: the
+    queries' own, for self-attention); a query attends a key only where the ids are equal."""
+    token = _SEGMENT_IDS.set((q_segment_ids, kv_segment_ids))
+    try:
+        yield
+    finally:
+        _SEGMENT_IDS.reset(token)
+
+
+def _current_segment_ids(batch_shape, len_q, len_kv):
+    """The enclosing block's ids as [prod(batch), L] (None, None outside one)."""
+    ids = _SEGMENT_IDS.get()
+    if ids is None:
+        return None, None
+    b = math.prod(batch_shape)
+    q_ids, kv_ids = (None if x is None else jnp.asarray(x) for x in ids)
+    for x, name, length in ((q_ids, "q_segment_ids", len_q), (kv_ids, "kv_segment_ids", len_kv)):
+        if x is not None and x.shape != tuple(batch_shape) + (length,):
+            raise ValueError(f"jax_sdpa.flax.segment_ids: {name} must have shape "
+                             f"[batch..., L] = {list(batch_shape) + [length]}, got {x.shape}")
+    return (q_ids.reshape(b, len_q),
+            None if kv_ids is None else kv_ids.reshape(b, len_kv))
 
 _EXACT_OK = (None, "xla")  # implementations under which the exact XLA path may be used
 
@@ -139,7 +181,7 @@ def _softmax_dtype(dtype, force_fp32_for_softmax):
 
 def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
            dropout, dtype, precision, module, einsum_dot_general, qk_einsum, wv_einsum,
-           is_causal, sinks, force_fp32_for_softmax):
+           is_causal, sinks, force_fp32_for_softmax, logits_soft_cap, segments):
     """Flax's own computation (attention weights materialized, softmax in `dtype` or in
     float32 with force_fp32_for_softmax), generalized to GQA and sinks. Works on the
     original [batch..., L, N, H] layout so that dropout draws exactly Flax's random bits."""
@@ -153,14 +195,22 @@ def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropou
     depth = query.shape[-1]
     query = query / jnp.sqrt(depth).astype(dtype)
     w = qk_einsum("...qhd,...khd->...hqk", query, key)
+    if logits_soft_cap:
+        w = logits_soft_cap * jnp.tanh(w / logits_soft_cap)
     if bias is not None:
         w = w + bias
     masks = [] if mask is None else [_bool_mask(mask)]
     if is_causal:
         t, s = w.shape[-2:]
         masks.append(jnp.tril(jnp.ones((t, s), jnp.bool_)))
+    if segments[0] is not None:
+        q_ids = segments[0].reshape(query.shape[:-2])
+        kv_ids = q_ids if segments[1] is None else segments[1].reshape(key.shape[:-2])
+        masks.append((q_ids[..., :, None] == kv_ids[..., None, :])[..., None, :, :])
     if masks:
-        keep = masks[0] if len(masks) == 1 else jnp.logical_and(*masks)
+        keep = masks[0]
+        for m in masks[1:]:
+            keep = jnp.logical_and(keep, m)
         w = jnp.where(keep, w, jnp.finfo(dtype).min)
     weights_dtype = _softmax_dtype(dtype, force_fp32_for_softmax)
     if weights_dtype is not None:
@@ -192,7 +242,7 @@ def _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropou
 def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                deterministic, dtype, precision, module, einsum_dot_general,
                qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype, is_causal,
-               implementation, sinks, force_fp32_for_softmax):
+               implementation, sinks, force_fp32_for_softmax, logits_soft_cap=None):
     if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
         raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum must be "
                          "specified together")
@@ -208,6 +258,8 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
     dtype = query.dtype
     _validate(query, key, value)
     dropout = _dropout_active(dropout_rate, deterministic)
+    batch_shape = query.shape[:-3]
+    segments = _current_segment_ids(batch_shape, query.shape[-3], key.shape[-3])
 
     reasons = []
     if dropout:
@@ -234,9 +286,8 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
         return _exact(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
                       dropout_rate, dropout, dtype, precision, module, einsum_dot_general,
                       qk_attn_weights_einsum, attn_weights_value_einsum, is_causal, sinks,
-                      force_fp32_for_softmax)
+                      force_fp32_for_softmax, logits_soft_cap, segments)
 
-    batch_shape = query.shape[:-3]
     b = math.prod(batch_shape)
     q4, k4, v4 = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
     bias4 = None
@@ -250,7 +301,9 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
           else contextlib.nullcontext()):
         out = api.dot_product_attention(q4, k4, v4, bias=bias4, mask=mask4,
                                         is_causal=is_causal, implementation=implementation,
-                                        sinks=sinks)
+                                        sinks=sinks, q_segment_ids=segments[0],
+                                        kv_segment_ids=segments[1],
+                                        logits_soft_cap=logits_soft_cap)
     weights_dtype = _softmax_dtype(dtype, force_fp32_for_softmax)
     if weights_dtype is not None:  # Flax's float32 weights make its result float32
         out = out.astype(jnp.promote_types(out.dtype, weights_dtype))
@@ -258,17 +311,22 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
 
 
 def make_attention_fn(is_causal: bool = False, implementation: Optional[str] = None,
-                      sinks=None) -> Callable[..., Any]:
+                      sinks=None, logits_soft_cap: Optional[float] = None
+                      ) -> Callable[..., Any]:
     """An `attention_fn` for Flax with fixed options.
 
     is_causal: add a top-left causal mask (Flax's `make_causal_mask`); a call's own
       `is_causal=True` (nnx passes one) also applies.
     implementation: as in `jax_sdpa.dot_product_attention` (None: the fastest that serves).
     sinks: optional `[num_heads]` attention-sink logits (gpt-oss).
+    logits_soft_cap: None or c > 0: logits become c * tanh(logit / c) before bias and mask
+      (Gemma 2).
+    Segment ids (packed sequences) come from an enclosing `segment_ids` block.
     """
     if implementation is not None and implementation not in api.dispatch.IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of "
                          f"{api.dispatch.IMPLEMENTATIONS}, got {implementation!r}")
+    logits_soft_cap = api._check_soft_cap(logits_soft_cap) or None
     configured_causal = bool(is_causal)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
@@ -283,7 +341,7 @@ def make_attention_fn(is_causal: bool = False, implementation: Optional[str] = N
                           einsum_dot_general, qk_attn_weights_einsum,
                           attn_weights_value_einsum, promote_dtype,
                           configured_causal or bool(is_causal), implementation, sinks,
-                          bool(force_fp32_for_softmax))
+                          bool(force_fp32_for_softmax), logits_soft_cap)
 
     attention_fn.__qualname__ = attention_fn.__name__ = "attention_fn"
     attention_fn.__module__ = __name__

@@ -9,7 +9,10 @@ Numerics (the contract's):
 - keys excluded by the lengths, the band or a mask never reach an output or a gradient,
   whatever they hold (NaN and inf included);
 - a row with nothing to attend (and padded query rows) gives out = 0 and lse = -inf (the
-  sink's logit when there are sinks), and no gradient.
+  sink's logit when there are sinks), and no gradient;
+- segment ids: query i sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j];
+- logits_soft_cap c: the scaled logit x = scale * q.k becomes c * tanh(x / c) before the
+  additive mask; sinks are not capped.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _masked_contract(w, visible, x):
 
 
 def _visibility(b, hq, lq, lk, mask, q_lengths, kv_lengths, window_left, window_right,
-                bottom_right):
+                bottom_right, q_segment_ids=None, kv_segment_ids=None):
     """(visible [B, Hq, Lq, Lk] bool, additive [.., Lq, Lk] float64 or None, padded [B, Lq])."""
     qlen = np.full(b, lq) if q_lengths is None else np.clip(np.asarray(q_lengths), 0, lq)
     kvlen = np.full(b, lk) if kv_lengths is None else np.clip(np.asarray(kv_lengths), 0, lk)
@@ -58,6 +61,11 @@ def _visibility(b, hq, lq, lk, mask, q_lengths, kv_lengths, window_left, window_
             vis &= dd >= -window_left
         if window_right >= 0:
             vis &= dd <= window_right
+        if q_segment_ids is not None:
+            qs = np.asarray(q_segment_ids)[bi]
+            ks = np.asarray(kv_segment_ids if kv_segment_ids is not None
+                            else q_segment_ids)[bi]
+            vis &= qs[:, None] == ks[None, :]
         visible[bi, 0] = vis
     visible = np.broadcast_to(visible, (b, hq, lq, lk)).copy()
     additive = None
@@ -92,18 +100,26 @@ def _canonical(q, k, v, mask, window_right, bottom_right, seq_major):
 
 
 def _probabilities(q, k, *, scale, mask, sinks, q_lengths, kv_lengths, window_left,
-                   window_right, bottom_right):
+                   window_right, bottom_right, q_segment_ids, kv_segment_ids,
+                   logits_soft_cap):
+    """(P, visible, lse, scale, sinks [B, Hq, 1], cap slope d logit / d (scale q.k))."""
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     visible, additive, padded = _visibility(b, hq, lq, lk, mask, q_lengths, kv_lengths,
-                                            window_left, window_right, bottom_right)
+                                            window_left, window_right, bottom_right,
+                                            q_segment_ids, kv_segment_ids)
     k_full = np.repeat(k, hq // hk, axis=1)
     with np.errstate(invalid="ignore", over="ignore"):
         # each logit is its own dot product: a non-finite key only reaches its own column,
         # which the visibility below drops where the key is not visible
         logits = np.einsum("bhid,bhjd->bhij", q, k_full)
         logits = logits * scale
+        slope = None
+        if logits_soft_cap:
+            cap = float(logits_soft_cap)
+            t = np.tanh(logits / cap)
+            logits, slope = cap * t, 1.0 - t * t
         if additive is not None:
             logits = logits + additive
         logits = np.where(visible, logits, -np.inf)
@@ -125,23 +141,26 @@ def _probabilities(q, k, *, scale, mask, sinks, q_lengths, kv_lengths, window_le
     prob = np.where(pad, 0.0, prob)
     visible = visible & ~pad
     lse = np.where(pad, -np.inf, lse)[..., 0]
-    return prob, visible, lse, scale, sink
+    return prob, visible, lse, scale, sink, slope
 
 
 def forward(q, k, v, *, scale: Optional[float] = None, mask=None, sinks=None,
             q_lengths=None, kv_lengths=None, window_left: int = -1, window_right: int = -1,
-            bottom_right: bool = False, seq_major: bool = False):
+            bottom_right: bool = False, seq_major: bool = False, q_segment_ids=None,
+            kv_segment_ids=None, logits_soft_cap: Optional[float] = None):
     """(out, lse) in float64. q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv]
     ([B, L, H, D] with seq_major; out follows q's layout, lse is [B, Hq, Lq]). mask: None,
     "causal" (bottom-right, = window_right 0 + bottom_right), a bool (True = attend) or an
     additive array broadcastable to [B, Hq, Lq, Lk]; sinks [Hq] or [1 or B, Hq]; lengths
-    int [B]; windows as the contract's (-1: unbounded)."""
+    int [B]; windows as the contract's (-1: unbounded); segment ids int [B, Lq] / [B, Lk]
+    (kv_segment_ids None: the query's); logits_soft_cap None or > 0."""
     q, k, v, mask, window_right, bottom_right = _canonical(q, k, v, mask, window_right,
                                                            bottom_right, seq_major)
-    prob, visible, lse, _, _ = _probabilities(
+    prob, visible, lse, _, _, _ = _probabilities(
         q, k, scale=scale, mask=mask, sinks=sinks, q_lengths=q_lengths,
         kv_lengths=kv_lengths, window_left=window_left, window_right=window_right,
-        bottom_right=bottom_right)
+        bottom_right=bottom_right, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap)
     v_full = np.repeat(v, q.shape[1] // k.shape[1], axis=1)
     with np.errstate(invalid="ignore", over="ignore"):
         out = _masked_contract(prob, visible, v_full)
@@ -152,7 +171,8 @@ def forward(q, k, v, *, scale: Optional[float] = None, mask=None, sinks=None,
 
 def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=None,
              q_lengths=None, kv_lengths=None, window_left: int = -1, window_right: int = -1,
-             bottom_right: bool = False, seq_major: bool = False):
+             bottom_right: bool = False, seq_major: bool = False, q_segment_ids=None,
+             kv_segment_ids=None, logits_soft_cap: Optional[float] = None):
     """Gradients of sum(out * dout) in float64, from the forward's probabilities (not by
     differentiating code under test): {"dq", "dk", "dv"} in the inputs' layout, plus
     "dmask" (the additive mask's gradient, summed over its broadcast dims) and "dsinks"
@@ -165,10 +185,11 @@ def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=N
     dout = np.asarray(dout, np.float64)
     if seq_major:
         dout = np.swapaxes(dout, 1, 2)
-    prob, visible, lse, scale, sink = _probabilities(
+    prob, visible, lse, scale, sink, slope = _probabilities(
         q, k, scale=scale, mask=mask, sinks=sinks, q_lengths=q_lengths,
         kv_lengths=kv_lengths, window_left=window_left, window_right=window_right,
-        bottom_right=bottom_right)
+        bottom_right=bottom_right, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap)
     hq, hk = q.shape[1], k.shape[1]
     g = hq // hk
     k_full, v_full = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
@@ -177,9 +198,11 @@ def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=N
         dp = np.where(visible, dp, 0.0)
         delta = np.sum(np.where(visible, prob * dp, 0.0), axis=-1, keepdims=True)
         ds = np.where(visible, prob * (dp - delta), 0.0)
-        dq = scale * _masked_contract(ds, visible, k_full)
+        # through the cap: d logit / d (scale q.k) = 1 - tanh^2 (the mask's gradient is ds)
+        ds_dots = ds if slope is None else np.where(visible, ds * slope, 0.0)
+        dq = scale * _masked_contract(ds_dots, visible, k_full)
         tr = (0, 1, 3, 2)
-        dk_full = scale * _masked_contract(ds.transpose(tr), visible.transpose(tr), q)
+        dk_full = scale * _masked_contract(ds_dots.transpose(tr), visible.transpose(tr), q)
         dv_full = _masked_contract(prob.transpose(tr), visible.transpose(tr), dout)
     b, _, lk, d = k.shape
     dk = dk_full.reshape(b, hk, g, lk, d).sum(axis=2)

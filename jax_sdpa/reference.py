@@ -10,7 +10,9 @@ Two algorithms over the same canonical arguments (see docs/ffi_contract.md):
 Canonical arguments: q [B, Hq, Lq, D] (or [B, Lq, Hq, D] when seq_major), k, v
 likewise with Hk heads; mask None or rank 4 [mB, mH, mLq, mLk] (each 1 or full,
 head-major), bool = keep or additive; sinks None or float [1 or B, Hq]; lengths
-None or int32 [B]. Returns (out, lse) with lse float32 [B, Hq, Lq] (natural log,
+None or int32 [B]; segment ids None or int32 [B, Lq] and [B, Lk] (both or neither: a
+query sees a key only where their ids are equal); params.logits_soft_cap > 0 caps the
+scaled logits, cap * tanh(scale * q.k / cap), before the additive mask. Returns (out, lse) with lse float32 [B, Hq, Lq] (natural log,
 -inf for rows with nothing to attend, whose output is 0).
 
 Numerics (docs/ffi_contract.md): a row whose visible scores include a NaN gets NaN (out and
@@ -54,8 +56,10 @@ def _valid_lengths(lengths, full):
 
 
 def visibility(params: StaticParams, batch, len_q, len_kv, key_index, q_lengths, kv_lengths,
-               bool_mask=None):
-    """Bool [B or 1, 1, Lq, len(key_index)]: may query i see key j (before additive masks)."""
+               bool_mask=None, q_segment_ids=None, kv_segment_ids=None):
+    """Bool [B or 1, 1, Lq, len(key_index)]: may query i see key j (before additive masks).
+    kv_segment_ids, when given, are the ids of the keys in `key_index` ([B, len(key_index)]):
+    the comparison is O(Lq * len(key_index)), never O(Lq * Lk) for a block of keys."""
     i = jnp.arange(len_q, dtype=jnp.int32).reshape(1, 1, len_q, 1)
     j = key_index.astype(jnp.int32).reshape(1, 1, 1, -1)
     qlen = _valid_lengths(q_lengths, len_q)
@@ -72,6 +76,8 @@ def visibility(params: StaticParams, batch, len_q, len_kv, key_index, q_lengths,
         visible = visible & (d <= params.window_right)
     if bool_mask is not None:
         visible = visible & bool_mask
+    if q_segment_ids is not None:
+        visible = visible & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     return visible
 
 
@@ -95,27 +101,51 @@ def _scaled_dots(qg, k, params, precision, acc):
     could be contracted into an FMA in one of them only."""
     scale = jnp.asarray(params.scale, acc)
     if qg.dtype == acc:
-        return jnp.einsum("bkgid,bkjd->bkgij", qg * scale, k, precision=precision,
-                          preferred_element_type=acc)
-    return jnp.einsum("bkgid,bkjd->bkgij", qg, k, precision=precision,
-                      preferred_element_type=acc) * scale
+        s = jnp.einsum("bkgid,bkjd->bkgij", qg * scale, k, precision=precision,
+                       preferred_element_type=acc)
+    else:
+        s = jnp.einsum("bkgid,bkjd->bkgij", qg, k, precision=precision,
+                       preferred_element_type=acc) * scale
+    return _soft_cap(s, params)
+
+
+def _soft_cap(s, params):
+    """cap * tanh(s / cap) (Gemma 2's logit soft-capping); s itself when there is no cap."""
+    cap = params.logits_soft_cap
+    if not cap:
+        return s
+    cap = jnp.asarray(cap, s.dtype)
+    return cap * jnp.tanh(s / cap)
+
+
+def _soft_cap_slope(capped, params):
+    """d capped / d (scale * q.k) = 1 - tanh^2 from the capped logits; None without a cap."""
+    cap = params.logits_soft_cap
+    if not cap:
+        return None
+    t = capped / jnp.asarray(cap, capped.dtype)
+    return 1 - t * t
 
 
 def _scores(q, k, mask, params, precision, acc):
-    """Scaled scores [B, Hk, G, Lq, Lk] (+ additive mask), float32 or wider."""
+    """Scaled (soft-capped) scores [B, Hk, G, Lq, Lk] (+ additive mask), float32 or wider,
+    and the cap's slope (None without a cap)."""
     s = _scaled_dots(_grouped(q, k.shape[1]), k, params, precision, acc)
+    slope = _soft_cap_slope(s, params)
     if mask is not None and mask.dtype != jnp.bool_:
         s = s + _mask_grouped(mask, q.shape[1], k.shape[1]).astype(acc)
-    return s
+    return s, slope
 
 
-def _visible_grouped(params, q, k, mask, q_lengths, kv_lengths):
+def _visible_grouped(params, q, k, mask, q_lengths, kv_lengths, q_segment_ids,
+                     kv_segment_ids):
     b, hq, lq, _ = q.shape
     lk = k.shape[2]
     bool_mask = None
     if mask is not None and mask.dtype == jnp.bool_:
         bool_mask = _mask_grouped(mask, hq, k.shape[1])
-    vis = visibility(params, b, lq, lk, jnp.arange(lk), q_lengths, kv_lengths)
+    vis = visibility(params, b, lq, lk, jnp.arange(lk), q_lengths, kv_lengths,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     vis = vis[:, :, None]  # [B, 1, 1, Lq, Lk]
     if bool_mask is not None:
         vis = vis & bool_mask
@@ -169,26 +199,27 @@ def _live(lse):
     return lse != NEG_INF
 
 
-def _not_yet(q_segment_ids, kv_segment_ids, params):
-    """Segment ids and soft-capping are contract operands whose reference semantics are not
-    written yet: refuse them rather than ignore them."""
-    if q_segment_ids is not None or kv_segment_ids is not None:
-        raise NotImplementedError("jax_sdpa.reference: segment ids are not implemented")
-    if params.logits_soft_cap:
-        raise NotImplementedError("jax_sdpa.reference: logits_soft_cap is not implemented")
+def _segments(q_segment_ids, kv_segment_ids):
+    """Both segment-id operands as int32, or neither."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids are given together or not at all")
+    if q_segment_ids is None:
+        return None, None
+    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
 
 
 def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
             params: StaticParams, precision=None):
     """Exact attention. Returns (out, lse)."""
-    _not_yet(q_segment_ids, kv_segment_ids, params)
+    q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
     b, hq, lq, _ = q.shape
     hk = k.shape[1]
     acc = _acc_dtype(q.dtype)
     v = _zero_past(v, kv_lengths)
-    s = _scores(q, k, mask, params, precision, acc)
-    vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
+    s, _ = _scores(q, k, mask, params, precision, acc)
+    vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths, q_segment_ids,
+                           kv_segment_ids)
     s = jnp.where(vis, s, NEG_INF)
     m = jnp.max(s, axis=-1)
     if sinks is not None:
@@ -221,14 +252,13 @@ def _pv_dtype(v_dtype, acc):
 def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
              kv_segment_ids, params: StaticParams, precision=None):
     """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward)."""
-    _not_yet(q_segment_ids, kv_segment_ids, params)
+    q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     del sinks  # enters only through lse
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
-    hk = k.shape[1]
     acc = _acc_dtype(q.dtype)
-    p, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
-                               params, precision, acc)
-    dq, dk, dv = _grads_from_dscores(q, k, dout, p, ds, params, precision, acc)
+    p, _, ds_dots = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
+                                       q_segment_ids, kv_segment_ids, params, precision, acc)
+    dq, dk, dv = _grads_from_dscores(q, k, dout, p, ds_dots, params, precision, acc)
     return tuple(_from_bhld(x, params.seq_major) for x in (dq, dk, dv))
 
 
@@ -240,30 +270,35 @@ def _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params):
     return q, k, v, out, dout
 
 
-def _probs_dscores_block(s, vis, lse_g, dp, delta, acc):
-    """P = exp(s - lse) and dS = P * (dP - delta) where visible and the row is live, else 0
-    (selected, so that a NaN dP of a hidden key does not turn 0 into NaN)."""
+def _probs_dscores_block(s, vis, lse_g, dp, delta, slope, acc):
+    """P = exp(s - lse), dS = P * (dP - delta) (the gradient of the logits, an additive
+    mask's) and dS times the soft cap's slope (the gradient of scale * q.k; dS itself
+    without a cap), where visible and the row is live, else 0 (selected, so that a NaN dP of
+    a hidden key does not turn 0 into NaN)."""
     live = vis & _live(lse_g)
     lse_safe = jnp.where(_live(lse_g), lse_g, jnp.zeros((), acc))
     zero = jnp.zeros((), acc)
     p = jnp.where(live, _exp_below(s - lse_safe), zero)
     ds = jnp.where(live, p * (dp - delta), zero)
-    return p, ds
+    ds_dots = ds if slope is None else jnp.where(live, ds * slope, zero)
+    return p, ds, ds_dots
 
 
-def _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, params,
-                       precision, acc):
-    """P and dS = P * (dP - delta), both [B, Hk, G, Lq, Lk], inputs in BHLD."""
+def _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, q_segment_ids,
+                       kv_segment_ids, params, precision, acc):
+    """P, dS = P * (dP - delta) and dS through the soft cap, all [B, Hk, G, Lq, Lk], inputs
+    in BHLD."""
     hk = k.shape[1]
-    s = _scores(q, k, mask, params, precision, acc)
+    s, slope = _scores(q, k, mask, params, precision, acc)
     lse_g = _grouped(lse.astype(acc), hk)[..., None]
-    vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths)
+    vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths, q_segment_ids,
+                           kv_segment_ids)
     dout_g = _grouped(dout, hk)
     delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
                     keepdims=True)
     dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, v, precision=precision,
                     preferred_element_type=acc)
-    return _probs_dscores_block(s, vis, lse_g, dp, delta, acc)
+    return _probs_dscores_block(s, vis, lse_g, dp, delta, slope, acc)
 
 
 def _grads_from_dscores(q, k, dout, p, ds, params, precision, acc):
@@ -284,12 +319,13 @@ def _grads_from_dscores(q, k, dout, p, ds, params, precision, acc):
 def dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths, q_segment_ids,
             kv_segment_ids, params: StaticParams, precision=None):
     """dL/d(score) [B, Hq, Lq, Lk] in float32: the gradient of an additive mask/bias
-    before it is summed over the mask's broadcast dimensions."""
-    _not_yet(q_segment_ids, kv_segment_ids, params)
+    before it is summed over the mask's broadcast dimensions (after the soft cap: the cap's
+    slope is not in it)."""
+    q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     acc = _acc_dtype(q.dtype)
-    _, ds = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
-                               params, precision, acc)
+    _, ds, _ = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
+                                  q_segment_ids, kv_segment_ids, params, precision, acc)
     b, hq, lq = q.shape[:3]
     return ds.reshape(b, hq, lq, k.shape[2])
 
@@ -325,26 +361,32 @@ def _mask_blocks(mask, block, nblocks):
     return _blocks(mask, 3, block, nblocks), True
 
 
-def _key_blocks(k, v, mask, batch, heads_q, len_q, len_kv, block):
-    """K, V (and the mask, when it varies over keys) cut into key blocks: the block size,
-    their count, the scan inputs (block index, K block, V block[, mask block]) and whether
-    the mask is among them."""
+def _key_blocks(k, v, mask, kv_segment_ids, batch, heads_q, len_q, len_kv, block):
+    """K, V, the keys' segment ids (when given) and the mask (when it varies over keys) cut
+    into key blocks: the block size, their count, the scan inputs (block index, K block,
+    V block, segment-id block or None[, mask block]) and whether the mask is among them."""
     block = block or choose_block(batch, heads_q, len_q, len_kv)
     nblocks = max(1, -(-len_kv // block))
     m_blocks, mask_per_block = _mask_blocks(mask, block, nblocks)
-    xs = (jnp.arange(nblocks), _blocks(k, 2, block, nblocks), _blocks(v, 2, block, nblocks))
+    seg_blocks = (None if kv_segment_ids is None
+                  else _blocks(kv_segment_ids, 1, block, nblocks))  # [nblocks, B, block]
+    xs = (jnp.arange(nblocks), _blocks(k, 2, block, nblocks), _blocks(v, 2, block, nblocks),
+          seg_blocks)
     return block, nblocks, xs + ((m_blocks,) if mask_per_block else ()), mask_per_block
 
 
-def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, shape, precision,
-                  acc):
-    """Scaled scores of key block `idx` against the grouped queries, with their visibility
-    (band, lengths, keys past the end, a bool mask); an additive mask is added to them.
-    shape = (B, Hq, Hk, Lq, Lk)."""
+def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, q_segment_ids,
+                  seg_b, shape, precision, acc):
+    """Scaled (soft-capped) scores of key block `idx` against the grouped queries, with their
+    visibility (band, lengths, segments, keys past the end, a bool mask) and the cap's slope
+    (None without a cap); an additive mask is added to them. seg_b: the block's key segment
+    ids [B, block] or None. shape = (B, Hq, Hk, Lq, Lk)."""
     b, hq, hk, lq, lk = shape
     key_index = idx * block + jnp.arange(block)
     s = _scaled_dots(qg, kb, params, precision, acc)
-    vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths)[:, :, None]
+    slope = _soft_cap_slope(s, params)
+    vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=seg_b)[:, :, None]
     vis = vis & (key_index < lk).reshape(1, 1, 1, 1, block)
     if mb is not None:
         mg = _mask_grouped(mb, hq, hk)
@@ -352,7 +394,7 @@ def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, shape, 
             vis = vis & mg
         else:
             s = s + mg.astype(acc)
-    return s, vis
+    return s, vis, slope
 
 
 def _carry_zero(acc, *operands):
@@ -369,22 +411,23 @@ def _carry_zero(acc, *operands):
 def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                     kv_segment_ids, params: StaticParams, precision=None,
                     block: Optional[int] = None):
-    _not_yet(q_segment_ids, kv_segment_ids, params)
+    q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
     b, hq, lq, _ = q.shape
     hk, lk = k.shape[1], k.shape[2]
     dv_ = v.shape[-1]
     acc = _acc_dtype(q.dtype)
     v = _zero_past(v, kv_lengths)
-    block, _, xs, mask_per_block = _key_blocks(k, v, mask, b, hq, lq, lk, block)
+    block, _, xs, mask_per_block = _key_blocks(k, v, mask, kv_segment_ids, b, hq, lq, lk,
+                                               block)
     qg = _grouped(q, hk)
 
     def step(carry, xs):
         m_run, l_run, o_run = carry
-        idx, kb, vb = xs[0], xs[1], xs[2]
-        mb = xs[3] if mask_per_block else mask
-        s, vis = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                               (b, hq, hk, lq, lk), precision, acc)
+        idx, kb, vb, seg_b = xs[:4]
+        mb = xs[4] if mask_per_block else mask
+        s, vis, _ = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                                  q_segment_ids, seg_b, (b, hq, hk, lq, lk), precision, acc)
         s = jnp.where(vis, s, NEG_INF)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
         m_safe = _shift(m_new)
@@ -397,7 +440,8 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
         return (m_new, l_new, o_new), None
 
     g = hq // hk
-    zero = _carry_zero(acc, q, k, v, mask, sinks, q_lengths, kv_lengths)
+    zero = _carry_zero(acc, q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+                       kv_segment_ids)
     m0 = jnp.full((b, hk, g, lq), NEG_INF, acc) + zero
     if sinks is not None:
         m0 = _sink_logits(sinks, hk, acc) + jnp.zeros((b, hk, g, lq), acc) + zero
@@ -421,13 +465,14 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
 def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
                      q_segment_ids, kv_segment_ids, params: StaticParams, precision=None,
                      block: Optional[int] = None):
-    _not_yet(q_segment_ids, kv_segment_ids, params)
+    q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     del sinks
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
-    block, nblocks, xs, mask_per_block = _key_blocks(k, v, mask, b, hq, lq, lk, block)
+    block, nblocks, xs, mask_per_block = _key_blocks(k, v, mask, kv_segment_ids, b, hq, lq,
+                                                     lk, block)
     qg, dout_g = _grouped(q, hk), _grouped(dout, hk)
     lse_g = _grouped(lse.astype(acc), hk)[..., None]
     delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
@@ -435,13 +480,14 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
     scale = jnp.asarray(params.scale, acc)
 
     def step(dq, xs):
-        idx, kb, vb = xs[0], xs[1], xs[2]
-        mb = xs[3] if mask_per_block else mask
-        s, vis = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                               (b, hq, hk, lq, lk), precision, acc)
+        idx, kb, vb, seg_b = xs[:4]
+        mb = xs[4] if mask_per_block else mask
+        s, vis, slope = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                                      q_segment_ids, seg_b, (b, hq, hk, lq, lk), precision,
+                                      acc)
         dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, vb, precision=precision,
                         preferred_element_type=acc)
-        p, ds = _probs_dscores_block(s, vis, lse_g, dp, delta, acc)
+        p, _, ds = _probs_dscores_block(s, vis, lse_g, dp, delta, slope, acc)
         dq = dq + jnp.einsum("bkgij,bkjd->bkgid", ds, kb, precision=precision,
                              preferred_element_type=acc) * scale
         dkb = jnp.einsum("bkgij,bkgid->bkjd", ds, qg, precision=precision,
@@ -451,7 +497,8 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
         return dq, (dkb.astype(k.dtype), dvb.astype(v.dtype))
 
     dq0 = jnp.zeros(qg.shape, acc) + _carry_zero(acc, q, k, v, out, lse, dout, mask,
-                                                 q_lengths, kv_lengths)
+                                                 q_lengths, kv_lengths, q_segment_ids,
+                                                 kv_segment_ids)
     dq, (dk_blocks, dv_blocks) = lax.scan(step, dq0, xs)
 
     def unblock(x, last):

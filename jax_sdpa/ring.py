@@ -92,6 +92,8 @@ class _Ring:
 
 def ring_attention(q, k, v, *, axis_name, mask: Optional[str] = None,
                    scale: Optional[float] = None, sinks=None, layout: Optional[str] = None,
+                   q_segment_ids=None, kv_segment_ids=None,
+                   logits_soft_cap: Optional[float] = None,
                    implementation: Optional[str] = None):
     """Attention over a sequence split across the mesh axis `axis_name`; call it inside
     `jax.shard_map` with q, k, v sharded along L (dim 2) over that axis.
@@ -103,6 +105,10 @@ def ring_attention(q, k, v, *, axis_name, mask: Optional[str] = None,
     `layout`: None (contiguous: device i holds positions i*L/n..) or "zigzag" (device i
     holds chunks i and 2n-1-i of 2n; see `to_zigzag`). `implementation` as for
     `scaled_dot_product_attention` (each block runs through that kernel).
+    `q_segment_ids` / `kv_segment_ids`: the local shards [B, L/n] of the global ids (in the
+    same layout as q and k; the kv ids travel around the ring with their K/V block);
+    `q_segment_ids` alone serves as both. `logits_soft_cap` as in
+    `scaled_dot_product_attention`.
     Returns the local shard of the output, [B, Hq, L/n, Dv] in the inputs' dtype.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -142,13 +148,17 @@ def ring_attention(q, k, v, *, axis_name, mask: Optional[str] = None,
         sinks = jnp.asarray(sinks)
         if sinks.shape != (hq,):
             raise ValueError(f"sinks must have shape (Hq,) = ({hq},), got {sinks.shape}")
+    from jax_sdpa import api  # the entry point's argument checks
+
+    segments = api._check_segment_ids(q_segment_ids, kv_segment_ids, b, lq, lk)
     scale = float(1.0 / math.sqrt(d) if scale is None else scale)
     params = StaticParams(scale=scale, window_left=-1, window_right=-1, bottom_right=False,
-                          seq_major=False, implementation=implementation)
+                          seq_major=False, implementation=implementation,
+                          logits_soft_cap=api._check_soft_cap(logits_soft_cap))
     ring = _Ring(axis_name, causal, zigzag, params)
     if b == 0 or lq == 0:
         return jnp.zeros(q.shape[:3] + (v.shape[3],), dtype)
-    return _ring(q, k, v, sinks, ring)
+    return _ring(q, k, v, sinks, None if segments[0] is None else segments, ring)
 
 
 # ---------------------------------------------------------------------------
@@ -182,9 +192,15 @@ def _merge(o, l, ob, lb):
     return o, l
 
 
-def _attend(q, k, v, params):
-    out, lse = primitives.fwd(q, k, v, None, None, None, None, params)
+def _attend(q, k, v, params, qs=None, ks=None):
+    out, lse = primitives.fwd(q, k, v, None, None, None, None, params, q_segment_ids=qs,
+                              kv_segment_ids=ks)
     return out.astype(jnp.float32), lse
+
+
+def _ids(segs, sl=slice(None)):
+    """Segment ids (None or [B, L]) restricted to positions `sl`."""
+    return None if segs is None else segs[:, sl]
 
 
 def _pad_front(x, axis, total, value=0.0):
@@ -193,27 +209,29 @@ def _pad_front(x, axis, total, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_fwd(ring: _Ring, t, r, q, kb, vb):
-    """(out f32, lse) of the local queries against the block held at ring step t."""
+def _block_fwd(ring: _Ring, t, r, q, kb, vb, qs, ksb):
+    """(out f32, lse) of the local queries against the block held at ring step t (qs, ksb:
+    the queries' and the block's segment ids, or None)."""
     if not ring.causal:
-        return _attend(q, kb, vb, ring.params)
+        return _attend(q, kb, vb, ring.params, qs, ksb)
     if t == 0:  # own block: causal on equal lengths
-        return _attend(q, kb, vb, ring.diag_params)
+        return _attend(q, kb, vb, ring.diag_params, qs, ksb)
     lq = q.shape[2]
     if ring.zigzag:
         c = lq // 2
 
         def lower():  # source < r: all queries see the source's first chunk
-            return _attend(q, kb[:, :, :c], vb[:, :, :c], ring.params)
+            return _attend(q, kb[:, :, :c], vb[:, :, :c], ring.params, qs,
+                           _ids(ksb, slice(None, c)))
 
         def upper():  # source > r: the second local chunk sees both source chunks
-            o, l = _attend(q[:, :, c:], kb, vb, ring.params)
+            o, l = _attend(q[:, :, c:], kb, vb, ring.params, _ids(qs, slice(c, None)), ksb)
             return _pad_front(o, 2, lq), _pad_front(l, 2, lq, -jnp.inf)
 
         return lax.cond(r >= t, lower, upper)
 
     def full():
-        return _attend(q, kb, vb, ring.params)
+        return _attend(q, kb, vb, ring.params, qs, ksb)
 
     def skip():  # a block entirely above the diagonal: no kernel call
         o = jnp.zeros_like(q, jnp.float32, shape=q.shape[:3] + vb.shape[3:])
@@ -228,19 +246,21 @@ def _sink_merge(o, l, sinks):
     return _merge(o, l, jnp.zeros_like(o), s)
 
 
-def _forward(q, k, v, sinks, ring: _Ring):
+def _forward(q, k, v, sinks, segs, ring: _Ring):
     n = _axis_size(ring.axis_name)
     r = lax.axis_index(ring.axis_name)
     perm = [(i, (i + 1) % n) for i in range(n)]
+    qs, ksb = (None, None) if segs is None else segs
     kb, vb = k, v
     o = l = None
     for t in range(n):
-        # send first so that the transfer overlaps this step's kernel
-        nxt = lax.ppermute((kb, vb), ring.axis_name, perm) if t < n - 1 else None
-        ob, lb = _block_fwd(ring, t, r, q, kb, vb)
+        # send first so that the transfer overlaps this step's kernel (the keys' segment
+        # ids travel with their block)
+        nxt = lax.ppermute((kb, vb, ksb), ring.axis_name, perm) if t < n - 1 else None
+        ob, lb = _block_fwd(ring, t, r, q, kb, vb, qs, ksb)
         o, l = (ob, lb) if o is None else _merge(o, l, ob, lb)
         if nxt is not None:
-            kb, vb = nxt
+            kb, vb, ksb = nxt
     if sinks is not None:
         o, l = _sink_merge(o, l, sinks)
     return o.astype(q.dtype), l
@@ -249,8 +269,9 @@ def _forward(q, k, v, sinks, ring: _Ring):
 # ---------------------------------------------------------------------------
 # backward
 
-def _grads(q, kb, vb, out, lse, dout, params):
-    dq, dk, dv = primitives.bwd(q, kb, vb, out, lse, dout, None, None, None, None, params)
+def _grads(q, kb, vb, out, lse, dout, params, qs=None, ks=None):
+    dq, dk, dv = primitives.bwd(q, kb, vb, out, lse, dout, None, None, None, None, params,
+                                q_segment_ids=qs, kv_segment_ids=ks)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
@@ -260,29 +281,30 @@ def _pad_back(x, axis, total):
     return jnp.pad(x, widths)
 
 
-def _block_bwd(ring: _Ring, t, r, q, kb, vb, out, lse, dout):
+def _block_bwd(ring: _Ring, t, r, q, kb, vb, out, lse, dout, qs, ksb):
     """(dq, dk, dv) float32 contributions of the block held at ring step t."""
     if not ring.causal:
-        return _grads(q, kb, vb, out, lse, dout, ring.params)
+        return _grads(q, kb, vb, out, lse, dout, ring.params, qs, ksb)
     if t == 0:
-        return _grads(q, kb, vb, out, lse, dout, ring.diag_params)
+        return _grads(q, kb, vb, out, lse, dout, ring.diag_params, qs, ksb)
     lq = q.shape[2]
     if ring.zigzag:
         c = lq // 2
 
         def lower():
-            dq, dk, dv = _grads(q, kb[:, :, :c], vb[:, :, :c], out, lse, dout, ring.params)
+            dq, dk, dv = _grads(q, kb[:, :, :c], vb[:, :, :c], out, lse, dout, ring.params,
+                                qs, _ids(ksb, slice(None, c)))
             return dq, _pad_back(dk, 2, lq), _pad_back(dv, 2, lq)
 
         def upper():
             dq, dk, dv = _grads(q[:, :, c:], kb, vb, out[:, :, c:], lse[:, :, c:],
-                                dout[:, :, c:], ring.params)
+                                dout[:, :, c:], ring.params, _ids(qs, slice(c, None)), ksb)
             return _pad_front(dq, 2, lq), dk, dv
 
         return lax.cond(r >= t, lower, upper)
 
     def full():
-        return _grads(q, kb, vb, out, lse, dout, ring.params)
+        return _grads(q, kb, vb, out, lse, dout, ring.params, qs, ksb)
 
     def skip():
         return tuple(jnp.zeros_like(x, jnp.float32) for x in (q, kb, vb))
@@ -291,16 +313,17 @@ def _block_bwd(ring: _Ring, t, r, q, kb, vb, out, lse, dout):
 
 
 def _backward(ring: _Ring, residuals, dout):
-    q, k, v, sinks, out, lse, sum_sinks = residuals
+    q, k, v, sinks, segs, out, lse, sum_sinks = residuals
     dout = dout.astype(out.dtype)
     n = _axis_size(ring.axis_name)
     r = lax.axis_index(ring.axis_name)
     perm = [(i, (i + 1) % n) for i in range(n)]
+    qs, ksb = (None, None) if segs is None else segs
     kb, vb = k, v
     dq = dk_acc = dv_acc = None
     for t in range(n):
-        nxt = lax.ppermute((kb, vb), ring.axis_name, perm) if t < n - 1 else None
-        dq_t, dk_t, dv_t = _block_bwd(ring, t, r, q, kb, vb, out, lse, dout)
+        nxt = lax.ppermute((kb, vb, ksb), ring.axis_name, perm) if t < n - 1 else None
+        dq_t, dk_t, dv_t = _block_bwd(ring, t, r, q, kb, vb, out, lse, dout, qs, ksb)
         if dq is None:
             dq, dk_acc, dv_acc = dq_t, dk_t, dv_t
         else:
@@ -308,7 +331,7 @@ def _backward(ring: _Ring, residuals, dout):
         # the accumulators travel with their block; after n hops they are home
         dk_acc, dv_acc = lax.ppermute((dk_acc, dv_acc), ring.axis_name, perm)
         if nxt is not None:
-            kb, vb = nxt
+            kb, vb, ksb = nxt
     dsinks = None
     if sinks is not None:
         delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
@@ -322,21 +345,22 @@ def _backward(ring: _Ring, residuals, dout):
         if sum_sinks is not None:
             dsinks = lax.psum(dsinks, ring.axis_name)
         dsinks = dsinks.astype(sinks.dtype)
-    return (dq.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype), dsinks)
+    return (dq.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype), dsinks,
+            None)  # integer segment ids: no cotangent
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q, k, v, sinks, ring: _Ring):
-    return _forward(q, k, v, sinks, ring)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, sinks, segs, ring: _Ring):
+    return _forward(q, k, v, sinks, segs, ring)[0]
 
 
-def _ring_fwd(q, k, v, sinks, ring):
-    out, lse = _forward(q, k, v, sinks, ring)
+def _ring_fwd(q, k, v, sinks, segs, ring):
+    out, lse = _forward(q, k, v, sinks, segs, ring)
     # decided here, where the types are the caller's (residuals may come back varying);
     # carried as tree structure (leafless () = yes) so it stays static
     sum_sinks = (() if sinks is not None and _varies(q, ring.axis_name)
                  and not _varies(sinks, ring.axis_name) else None)
-    return out, (q, k, v, sinks, out, lse, sum_sinks)
+    return out, (q, k, v, sinks, segs, out, lse, sum_sinks)
 
 
 _ring.defvjp(_ring_fwd, _backward)

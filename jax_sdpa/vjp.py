@@ -31,10 +31,12 @@ from jax_sdpa import dispatch, primitives, reference
 from jax_sdpa.config import StaticParams
 
 
-def attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams):
+def attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
+              q_segment_ids=None, kv_segment_ids=None):
     """(out, lse) through `sdpa_fwd_p`; differentiable in q, k, v, an additive mask and
     sinks (lse too: its tangent and cotangent are handled, the entry points stop it)."""
-    return primitives.fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params)
+    return primitives.fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
 
 
 # ---------------------------------------------------------------------------

@@ -129,6 +129,39 @@ def p_batch_mask_sinks_lengths():
                       allowed_grad=("all-reduce",))
 
 
+def _segments_impl():
+    """IMPL where it serves segment ids and soft-capping both ways, else xla (the checks
+    below then test the partitioning of the reference)."""
+    from jax_sdpa import _ext
+
+    if IMPL in ("xla", "xla_chunked"):
+        return IMPL
+    features = {"segment_ids", "logits_soft_cap"}
+    served = all(features <= _ext.served_features(f"jax_sdpa_{IMPL}_{d}")
+                 for d in ("fwd", "bwd"))
+    return IMPL if served else "xla"
+
+
+def sorted_ids(b, length, segments=4):
+    return jnp.asarray(np.sort(_rng.integers(0, segments, (b, length)), axis=1), jnp.int32)
+
+
+def p_batch_heads_segments_soft_cap():
+    m = mesh((2, 4), ("b", "h"))
+    q, k, v = normal(4, 8, 16, 8), normal(4, 4, 16, 8), normal(4, 4, 16, 8)
+    ids = sorted_ids(4, 16)
+    impl = _segments_impl()
+
+    def f(q, k, v, ids):
+        return jax_sdpa.scaled_dot_product_attention(
+            q, k, v, mask="causal", q_segment_ids=ids, logits_soft_cap=3.0,
+            implementation=impl)
+
+    s = NamedSharding(m, P("b", "h"))
+    check_partitioned(f, (q, k, v, ids), (s, s, s, NamedSharding(m, P("b"))), (0, 1, 2),
+                      kernel_shape="f32[2,2,16,8]")
+
+
 def p_heads_full_mask_sinks_qlengths():
     # a per-head bool mask and the sinks are split with the query heads
     m = mesh((2, 4), ("b", "h"))
@@ -267,43 +300,54 @@ PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_heads_full_mask_si
              p_explicit_mesh, p_scan_checkpoint, p_seq_major_jax_nn, p_mqa_heads,
              p_sequence_sharded_to_heads, p_sequence_sharded, p_head_dim_sharded,
              p_more_head_shards_than_kv_heads, p_indivisible_heads, p_gspmd_partitioner,
-             p_vmap_under_jit]
+             p_vmap_under_jit, p_batch_heads_segments_soft_cap]
 
 
 # ---------------------------------------------------------------------------
 # ring attention
 
 def check_ring(n, shape_q, shape_kv, *, mask, layout, sinks=False, batch_axis=None,
-               check_vma=True, auto_batch=False):
+               check_vma=True, auto_batch=False, segments=False, soft_cap=None):
     names = ("sp",) if batch_axis is None else ("dp", "sp")
     m = mesh((n,) if batch_axis is None else (batch_axis, n), names)
     q, k, v = normal(*shape_q), normal(*shape_kv), normal(*shape_kv)
     s = normal(shape_q[1]) if sinks else None
     spec = P(None if batch_axis is None else "dp", None, "sp")
+    ids_spec = P(None if batch_axis is None else "dp", "sp")
+    impl = _segments_impl() if segments or soft_cap else IMPL
+    ids = ((sorted_ids(shape_q[0], shape_q[2], 5), sorted_ids(shape_kv[0], shape_kv[2], 5))
+           if segments else (None, None))
 
     def full(q, k, v, s):
-        return jax_sdpa.scaled_dot_product_attention(q, k, v, mask=mask, sinks=s,
-                                                     implementation=IMPL)
+        return jax_sdpa.scaled_dot_product_attention(
+            q, k, v, mask=mask, sinks=s, q_segment_ids=ids[0], kv_segment_ids=ids[1],
+            logits_soft_cap=soft_cap, implementation=impl)
 
-    def local(q, k, v, s):
+    def local(q, k, v, s, q_ids, kv_ids):
         return jax_sdpa.ring_attention(q, k, v, axis_name="sp", mask=mask, sinks=s,
-                                       layout=layout, implementation=IMPL)
+                                       layout=layout, q_segment_ids=q_ids,
+                                       kv_segment_ids=kv_ids, logits_soft_cap=soft_cap,
+                                       implementation=impl)
 
     zig = layout == "zigzag"
-    perm = (lambda x: ring_mod.to_zigzag(x, n)) if zig else (lambda x: x)
+    perm = (lambda x, axis=2: ring_mod.to_zigzag(x, n, axis)) if zig else (lambda x, axis=2: x)
     unperm = (lambda x: ring_mod.from_zigzag(x, n)) if zig else (lambda x: x)
     kw = {}
     if auto_batch:  # only "sp" manual: the batch stays split over the automatic "dp"
         kw["axis_names"] = {"sp"}
         spec = P(None, None, "sp")
-    sm = jax.shard_map(local, mesh=m, in_specs=(spec, spec, spec, P()), out_specs=spec,
-                       check_vma=check_vma, **kw)
+        ids_spec = P(None, "sp")
+    sm = jax.shard_map(local, mesh=m,
+                       in_specs=(spec, spec, spec, P(), ids_spec if segments else P(),
+                                 ids_spec if segments else P()),
+                       out_specs=spec, check_vma=check_vma, **kw)
 
     def ringed(q, k, v, s):
         if auto_batch:
             dp = NamedSharding(m, P("dp", None, "sp"))
             q, k, v = (jax.lax.with_sharding_constraint(x, dp) for x in (q, k, v))
-        return unperm(sm(perm(q), perm(k), perm(v), s))
+        q_ids, kv_ids = (None, None) if not segments else (perm(ids[0], 1), perm(ids[1], 1))
+        return unperm(sm(perm(q), perm(k), perm(v), s, q_ids, kv_ids))
 
     argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
     want = jax.jit(value_and_grads(full, argnums))(q, k, v, s)
@@ -313,7 +357,7 @@ def check_ring(n, shape_q, shape_kv, *, mask, layout, sinks=False, batch_axis=No
     assert "collective-permute" in text, "no ring passing in the program"
     if auto_batch:
         assert "all-gather" not in text, "the automatic batch axis was gathered"
-    if IMPL not in ("xla", "xla_chunked"):
+    if impl not in ("xla", "xla_chunked"):
         assert f"jax_sdpa_{IMPL}_fwd" in text and f"jax_sdpa_{IMPL}_bwd" in text, \
             "the ring steps do not run the fused kernel"
 
@@ -340,6 +384,21 @@ def r_partially_manual_shard_map():
                batch_axis=2, auto_batch=True)
 
 
+def r_causal_contiguous_segments_soft_cap():
+    check_ring(4, (2, 4, 32, 8), (2, 2, 32, 8), mask="causal", layout=None, sinks=True,
+               segments=True, soft_cap=2.5)
+
+
+def r_causal_zigzag_segments():
+    check_ring(4, (1, 2, 32, 8), (1, 2, 32, 8), mask="causal", layout="zigzag",
+               segments=True)
+
+
+def r_noncausal_cross_segments_batch_axis():
+    check_ring(4, (2, 2, 16, 8), (2, 1, 32, 8), mask=None, layout=None, segments=True,
+               batch_axis=2)
+
+
 def r_zigzag_helpers_roundtrip():
     x = normal(1, 1, 24, 2)
     z = ring_mod.to_zigzag(x, 3)
@@ -352,7 +411,8 @@ def r_zigzag_helpers_roundtrip():
 
 RING = [r_causal_contiguous_gqa_sinks, r_causal_zigzag, r_noncausal_cross_lengths,
         r_zigzag_with_batch_axis_no_vma, r_partially_manual_shard_map,
-        r_zigzag_helpers_roundtrip]
+        r_zigzag_helpers_roundtrip, r_causal_contiguous_segments_soft_cap,
+        r_causal_zigzag_segments, r_noncausal_cross_segments_batch_axis]
 
 
 def main():

@@ -347,3 +347,98 @@ def test_precision_highest_runs_fused_in_full_fp32_mode(monkeypatch):
     _close(jax.jit(lambda q, k, v: make_attention_fn()(q, k, v,
                                                        precision=jax.lax.Precision.HIGHEST))(
         q, k, v), want)
+
+
+# --------------------------------------------------------------------------
+# logit soft-capping and packed sequences (segment ids)
+
+def _unserved(impl, feature):
+    return impl not in (None, "xla", "xla_chunked") and not all(
+        feature in _ext.served_features(f"jax_sdpa_{impl}_{d}") for d in ("fwd", "bwd"))
+
+
+def test_soft_cap_matches_oracle_and_exact_path():
+    """make_attention_fn(logits_soft_cap=c): the cap before bias and mask, fused and on the
+    exact path (module= forces it), forward and gradients."""
+    from jax_sdpa import oracle
+
+    seed = _seed()
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (2, 7, 4, 16))
+    k = jax.random.normal(ks[1], (2, 9, 4, 16)) * 3
+    v = jax.random.normal(ks[2], (2, 9, 4, 16))
+    bias = jax.random.normal(ks[3], (1, 4, 7, 9))
+    cap = 0.8
+    want, _ = oracle.forward(np.asarray(q), np.asarray(k), np.asarray(v), mask=np.asarray(bias),
+                             seq_major=True, logits_soft_cap=cap)
+    for impl in IMPLS:
+        if _unserved(impl, "logits_soft_cap"):
+            continue
+        fn = make_attention_fn(implementation=impl, logits_soft_cap=cap)
+        _close(jax.jit(fn)(q, k, v, bias), want, what=f"{impl}, seed {seed}")
+    exact = make_attention_fn(logits_soft_cap=cap)
+    _close(exact(q, k, v, bias, module=_Sink()), want, what=f"exact, seed {seed}")
+    fused = make_attention_fn(logits_soft_cap=cap)
+    g_fused = jax.grad(lambda q, k: jnp.sum(jnp.sin(fused(q, k, v, bias))), (0, 1))(q, k)
+    g_exact = jax.grad(lambda q, k: jnp.sum(jnp.sin(exact(q, k, v, bias, module=_Sink()))),
+                       (0, 1))(q, k)
+    _tree_close(g_fused, g_exact, 2e-5, f"grads, seed {seed}")
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        make_attention_fn(logits_soft_cap=0.0)
+
+
+class _Sink:
+    """A stand-in module that takes sown weights (forces the exact path)."""
+
+    def sow(self, *args):
+        pass
+
+
+def test_nnx_packed_sequences_equal_a_dense_mask():
+    """A model called inside `jax_sdpa.flax.segment_ids(ids)` equals Flax's own attention
+    with the equivalent mask (causal within each segment), outputs and parameter grads."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    b, length, feat = 2, 24, 32
+    x = jnp.asarray(rng.standard_normal((b, length, feat)), jnp.float32)
+    ids = jnp.asarray(np.sort(rng.integers(0, 4, (b, length)), axis=1), jnp.int32)
+    causal = nnx.make_causal_mask(ids).astype(bool)
+    dense = (ids[:, :, None] == ids[:, None, :])[:, None] & causal
+    module_kw = dict(num_heads=4, in_features=feat, qkv_features=feat, decode=False)
+
+    theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(seed), **module_kw)
+    want_out, want_grads = _nnx_run(theirs, (x,), dict(mask=dense))
+    for impl in IMPLS:
+        if _unserved(impl, "segment_ids"):
+            continue
+        ours = nnx.MultiHeadAttention(attention_fn=make_attention_fn(is_causal=True,
+                                                                     implementation=impl),
+                                      rngs=nnx.Rngs(seed), **module_kw)
+
+        @nnx.jit
+        def run(model, x, ids):
+            def loss(m):
+                with jax_sdpa.flax.segment_ids(ids):
+                    out = m(x)
+                return jnp.sum(out * jnp.cos(out)), out
+
+            (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+            return out, nnx.state(grads, nnx.Param)
+
+        out, grads = run(ours, x, ids)
+        _close(out, want_out, 1e-5, f"{impl}, seed {seed}")
+        _tree_close(grads, want_grads, 5e-5, f"{impl} grads, seed {seed}")
+
+
+def test_segment_ids_block_checks_shapes_and_scopes():
+    q = jnp.zeros((2, 8, 2, 16))
+    with jax_sdpa.flax.segment_ids(jnp.zeros((2, 7), jnp.int32)):
+        with pytest.raises(ValueError, match=r"segment_ids.*\[2, 8\]"):
+            attention_fn(q, q, q)
+    # outside the block nothing is packed
+    ids = jnp.asarray([[0] * 4 + [1] * 4] * 2, jnp.int32)
+    with jax_sdpa.flax.segment_ids(ids):
+        packed = attention_fn(q + 1, q, q + jnp.arange(8.0)[:, None, None])
+    plain = attention_fn(q + 1, q, q + jnp.arange(8.0)[:, None, None])
+    assert not np.allclose(packed, plain)
+    np.testing.assert_allclose(packed[:, :4], 1.5, rtol=1e-6)

@@ -3,6 +3,10 @@
 - pre-norm blocks: RMSNorm, grouped-query attention with rotary embeddings, GELU MLP;
 - full-sequence attention (training, prefill) through `jax_sdpa.flax.make_attention_fn
   (is_causal=True)` -- the same function a `nnx.MultiHeadAttention` takes;
+- training on packed sequences: several documents per row, `segment_ids` [B, T] saying
+  which document each token belongs to; attention stays within a document (the ids reach
+  the attention function through a `jax_sdpa.flax.segment_ids` block), rotary positions
+  restart at each document and no token is trained to predict the next document's first;
 - autoregressive decoding against a fixed-size KV cache under `jit`: the cache is the
   whole buffer `[layers, B, Hk, max_len, head_dim]`, each row's length is data, and a
   step calls `jax_sdpa.scaled_dot_product_attention(..., mask="causal",
@@ -19,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Optional
@@ -29,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 import jax_sdpa
+import jax_sdpa.flax
 from jax_sdpa.flax import make_attention_fn
 
 ATTENTIONS = ("jax_sdpa", "flax")
@@ -86,14 +92,22 @@ class Attention(nnx.Module):
         v = self.wv(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         return _rope(q, positions, cfg.rope_base), _rope(k, positions, cfg.rope_base), v
 
-    def __call__(self, x, positions):
-        """Causal self-attention over the whole sequence; returns (out, k, v)."""
+    def __call__(self, x, positions, segment_ids=None):
+        """Causal self-attention over the whole sequence (within each segment when
+        `segment_ids` [B, T] are given); returns (out, k, v)."""
         q, k, v = self._qkv(x, positions)
         if self.attention == "flax":
             mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+            if segment_ids is not None:
+                same = segment_ids[:, :, None] == segment_ids[:, None, :]
+                mask = mask.astype(bool) & same[:, None]
             o = nnx.dot_product_attention(q, k, v, mask=mask)
         else:
-            o = make_attention_fn(is_causal=True, implementation=self.implementation)(q, k, v)
+            attend = make_attention_fn(is_causal=True, implementation=self.implementation)
+            packing = (contextlib.nullcontext() if segment_ids is None
+                       else jax_sdpa.flax.segment_ids(segment_ids))
+            with packing:
+                o = attend(q, k, v)
         return self.wo(o.reshape(x.shape[:2] + (-1,))), k, v
 
     def decode(self, x, positions, cache_k, cache_v, lengths):
@@ -129,8 +143,8 @@ class Block(nnx.Module):
     def _mlp(self, x):
         return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
-    def __call__(self, x, positions):
-        a, k, v = self.attn(self.norm1(x), positions)
+    def __call__(self, x, positions, segment_ids=None):
+        a, k, v = self.attn(self.norm1(x), positions, segment_ids)
         return self._mlp(x + a), k, v
 
     def decode(self, x, positions, cache_k, cache_v, lengths):
@@ -152,20 +166,23 @@ class GPT(nnx.Module):
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=cfg.dtype,
                                rngs=rngs)
 
-    def _forward(self, tokens):
+    def _forward(self, tokens, segment_ids=None):
         b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        positions = (jnp.broadcast_to(jnp.arange(t), (b, t)) if segment_ids is None
+                     else segment_positions(segment_ids))
         x = self.embed(tokens)
         ks, vs = [], []
         for block in self.blocks:
-            x, k, v = block(x, positions)
+            x, k, v = block(x, positions, segment_ids)
             ks.append(k)
             vs.append(v)
         return self.head(self.norm(x)), ks, vs
 
-    def __call__(self, tokens):
-        """Logits [B, T, vocab] of a causal pass over tokens [B, T]."""
-        return self._forward(tokens)[0]
+    def __call__(self, tokens, segment_ids=None):
+        """Logits [B, T, vocab] of a causal pass over tokens [B, T]; with `segment_ids`
+        [B, T] (packed documents, each a contiguous run of one id) every document is its
+        own sequence."""
+        return self._forward(tokens, segment_ids)[0]
 
     def prefill(self, tokens, lengths, cache_len: Optional[int] = None):
         """Runs the (right-padded) prompts tokens [B, T] with `lengths` [B] real tokens;
@@ -198,6 +215,15 @@ class GPT(nnx.Module):
         cache = {"k": jnp.stack(new_k), "v": jnp.stack(new_v),
                  "lengths": lengths + tokens.shape[1]}
         return self.head(self.norm(x)), cache
+
+
+def segment_positions(segment_ids):
+    """Each token's position within its segment ([B, T]; segments are contiguous runs)."""
+    t = segment_ids.shape[1]
+    index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def with_attention(model: GPT, attention: str, implementation: Optional[str] = None) -> GPT:
@@ -262,30 +288,37 @@ def generate(model: GPT, tokens, lengths, steps: int, cache_len: Optional[int] =
 # ---------------------------------------------------------------------------
 # training
 
-def loss_fn(model: GPT, tokens):
-    """Mean next-token cross-entropy over tokens [B, T]."""
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
+def loss_fn(model: GPT, tokens, segment_ids=None):
+    """Mean next-token cross-entropy over tokens [B, T]; with packed `segment_ids` only
+    over the pairs within one document."""
+    inputs = None if segment_ids is None else segment_ids[:, :-1]
+    logits = model(tokens[:, :-1], inputs).astype(jnp.float32)
     targets = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits, -1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    if segment_ids is None:
+        return jnp.mean(nll)
+    same = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(nll.dtype)
+    return jnp.sum(nll * same) / jnp.maximum(jnp.sum(same), 1)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _loss_and_grads(graphdef, params, rest, tokens):
+def _loss_and_grads(graphdef, params, rest, tokens, segment_ids):
     def f(p):
-        return loss_fn(nnx.merge(graphdef, p, rest), tokens)
+        return loss_fn(nnx.merge(graphdef, p, rest), tokens, segment_ids)
 
     return jax.value_and_grad(f)(params)
 
 
-def loss_and_grads(model: GPT, tokens):
+def loss_and_grads(model: GPT, tokens, segment_ids=None):
     """(loss, grads w.r.t. the nnx.Param state), jitted."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return _loss_and_grads(graphdef, params, rest, tokens)
+    return _loss_and_grads(graphdef, params, rest, tokens, segment_ids)
 
 
 def make_train_step(model: GPT, learning_rate: float = 3e-3):
-    """(step(tokens) -> loss): one jitted AdamW update of the model in place."""
+    """(step(tokens, segment_ids=None) -> loss): one jitted AdamW update of the model in
+    place."""
     import optax
 
     tx = optax.adamw(learning_rate)
@@ -293,17 +326,17 @@ def make_train_step(model: GPT, learning_rate: float = 3e-3):
     state = {"params": params, "opt": tx.init(params)}
 
     @jax.jit
-    def update(params, opt, rest, tokens):
+    def update(params, opt, rest, tokens, segment_ids):
         def f(p):
-            return loss_fn(nnx.merge(graphdef, p, rest), tokens)
+            return loss_fn(nnx.merge(graphdef, p, rest), tokens, segment_ids)
 
         loss, grads = jax.value_and_grad(f)(params)
         updates, opt = tx.update(grads, opt, params)
         return loss, jax.tree.map(lambda a, u: a + u, params, updates), opt
 
-    def step(tokens):
+    def step(tokens, segment_ids=None):
         loss, state["params"], state["opt"] = update(state["params"], state["opt"], rest,
-                                                     tokens)
+                                                     tokens, segment_ids)
         nnx.update(model, state["params"])
         return loss
 
@@ -338,11 +371,30 @@ def batches(batch: int, length: int, seed: int = 0):
         yield jnp.asarray(np.stack([data[s:s + length] for s in starts]))
 
 
+def packed_batches(batch: int, length: int, seed: int = 0, min_doc: int = 8):
+    """Rows of `length` tokens packed with corpus excerpts of random lengths (documents),
+    forever: (tokens [B, length], segment_ids [B, length], each document one id)."""
+    data = np.frombuffer(CORPUS.encode("utf-8"), np.uint8).astype(np.int32)
+    rng = np.random.default_rng(seed)
+    while True:
+        tokens = np.zeros((batch, length), np.int32)
+        ids = np.zeros((batch, length), np.int32)
+        for row in range(batch):
+            pos, doc = 0, 0
+            while pos < length:
+                n = min(int(rng.integers(min_doc, length // 2 + 1)), length - pos)
+                start = int(rng.integers(0, len(data) - n))
+                tokens[row, pos:pos + n] = data[start:start + n]
+                ids[row, pos:pos + n] = doc
+                pos, doc = pos + n, doc + 1
+        yield jnp.asarray(tokens), jnp.asarray(ids)
+
+
 def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(description="train a tiny byte-level GPT on jax_sdpa a few "
-                                            "steps, then generate")
+                                            "steps on packed sequences, then generate")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--implementation", default=None)
@@ -350,9 +402,9 @@ def main(argv=None):
     cfg = GPTConfig()
     model = GPT(cfg, rngs=nnx.Rngs(0), implementation=args.implementation)
     step = make_train_step(model)
-    data = batches(8, 128)
+    data = packed_batches(8, 128)  # several documents per row
     for i in range(args.steps):
-        loss = step(next(data))
+        loss = step(*next(data))
         if i % 10 == 0 or i == args.steps - 1:
             print(f"step {i:4d}  loss {float(loss):.3f}")
     prompts = ["jax_sdpa: fused ", "The cache is the "]
