@@ -117,6 +117,34 @@ auto bind_sdpa_bwd(Binding binding) {
                              .template Ret<ffi::AnyBuffer>());  // dv
 }
 
+// The paged forward `jax_sdpa_<backend>_paged_fwd` (docs/ffi_contract.md, "Paged KV"):
+// q, k_pages, v_pages, page_indices, kv_lengths, sinks -> out, lse, then the attributes (a
+// handler with extra results, such as the decode kernel's workspace, binds the buffers
+// with bind_sdpa_paged_fwd_buffers, appends them, then bind_sdpa_attrs).
+template <typename Binding>
+auto bind_sdpa_paged_fwd_buffers(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()   // q
+      .template Arg<ffi::AnyBuffer>()   // k_pages
+      .template Arg<ffi::AnyBuffer>()   // v_pages
+      .template Arg<ffi::AnyBuffer>()   // page_indices
+      .template Arg<ffi::AnyBuffer>()   // kv_lengths
+      .template Arg<ffi::AnyBuffer>()   // sinks
+      .template Ret<ffi::AnyBuffer>()   // out
+      .template Ret<ffi::AnyBuffer>();  // lse
+}
+
+template <typename Binding>
+auto bind_sdpa_paged_fwd(Binding binding) {
+  return bind_sdpa_attrs(bind_sdpa_paged_fwd_buffers(std::move(binding)));
+}
+
+// Values of the kv_layout attribute (paged targets).
+enum : int64_t {
+  kKvLayoutHeadMajor = 0,  // "PHSD": pages [P, Hk, S, D]
+  kKvLayoutSlotMajor = 1,  // "PSHD": pages [P, S, Hk, D] (vLLM, FlashAttention-3)
+};
+
 namespace detail {
 
 inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
@@ -207,6 +235,27 @@ inline ffi::Error expect_same(const char* name, ffi::AnyBuffer::Dimensions got,
 
 }  // namespace detail
 
+// The scalar attributes every target checks the same way: scale, band, fp32_precision and
+// logits_soft_cap into p.
+inline ffi::Error unpack_scalar_attrs(const SdpaAttrs& a, SdpaParams* p) {
+  using detail::invalid;
+  if (!std::isfinite(a.scale)) return invalid("scale must be finite, got " + std::to_string(a.scale));
+  p->scale = a.scale;
+  if (a.window_left < -1 || a.window_right < -1)
+    return invalid("window sizes must be >= 0 or -1 (unbounded)");
+  p->window_left = a.window_left;
+  p->window_right = a.window_right;
+  p->bottom_right = a.bottom_right;
+  if (a.fp32_precision != kFp32PrecisionDefault && a.fp32_precision != kFp32PrecisionHighest)
+    return invalid("fp32_precision must be 0 (default) or 1 (highest), got " +
+                   std::to_string(a.fp32_precision));
+  if (!(a.logits_soft_cap >= 0) || !std::isfinite(a.logits_soft_cap))
+    return invalid("logits_soft_cap must be finite and >= 0 (0: off), got " +
+                   std::to_string(a.logits_soft_cap));
+  p->logits_soft_cap = a.logits_soft_cap;
+  return ffi::Error::Success();
+}
+
 // The optional operands of both directions, in the contract's order.
 struct OptionalOperands {
   const ffi::AnyBuffer& mask;
@@ -270,16 +319,7 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   detail::set_strides(vs, a.seq_major, p->v_stride);
   detail::set_strides({qs.b, qs.h, qs.l, vs.d}, a.seq_major, p->o_stride);
 
-  if (!std::isfinite(a.scale)) return invalid("scale must be finite, got " + std::to_string(a.scale));
-  p->scale = a.scale;
-  if (a.window_left < -1 || a.window_right < -1)
-    return invalid("window sizes must be >= 0 or -1 (unbounded)");
-  p->window_left = a.window_left;
-  p->window_right = a.window_right;
-  p->bottom_right = a.bottom_right;
-  if (a.fp32_precision != kFp32PrecisionDefault && a.fp32_precision != kFp32PrecisionHighest)
-    return invalid("fp32_precision must be 0 (default) or 1 (highest), got " +
-                   std::to_string(a.fp32_precision));
+  if (auto e = unpack_scalar_attrs(a, p); e.failure()) return e;
 
   // mask: rank 4 (b, h_q, i, j), each dim 1 or full; head-major in both layouts.
   p->mask_kind = MaskKind::kNone;
@@ -365,10 +405,6 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
         e.failure())
       return e;
   }
-  if (!(a.logits_soft_cap >= 0) || !std::isfinite(a.logits_soft_cap))
-    return invalid("logits_soft_cap must be finite and >= 0 (0: off), got " +
-                   std::to_string(a.logits_soft_cap));
-  p->logits_soft_cap = a.logits_soft_cap;
   if (a.kv_layout != 0)
     return invalid("kv_layout must be 0 on a non-paged target, got " +
                    std::to_string(a.kv_layout));
@@ -427,6 +463,137 @@ inline ffi::Error unpack_forward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
   buf->q = q.untyped_data();
   buf->k = k.untyped_data();
   buf->v = v.untyped_data();
+  buf->out = out.untyped_data();
+  buf->lse = static_cast<float*>(lse.untyped_data());
+  return ffi::Error::Success();
+}
+
+// Everything a paged forward handler checks and collects before it runs: q, the page pool
+// in its layout, page_indices [B, pages_per_seq], kv_lengths [B], sinks, out and lse, and
+// the fixed attributes of a paged call (no mask, q lengths or segment ids; kv lengths
+// present; bottom-right; head-major q). Fills SdpaParams' paged fields: len_kv =
+// pages_per_seq * page_size and k_stride / v_stride = (page, head, slot) strides of the
+// layout (paged_key_row). Never reads buffer contents: page indices are range-checked and
+// lengths clamped by the kernels (paged_key_row, clamp_length).
+inline ffi::Error unpack_paged_forward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
+                                       const ffi::AnyBuffer& k_pages,
+                                       const ffi::AnyBuffer& v_pages,
+                                       const ffi::AnyBuffer& page_indices,
+                                       const ffi::AnyBuffer& kv_lengths,
+                                       const ffi::AnyBuffer& sinks, const ffi::AnyBuffer& out,
+                                       const ffi::AnyBuffer& lse, SdpaParams* p,
+                                       SdpaFwdBuffers* buf) {
+  using detail::dims_str;
+  using detail::invalid;
+  if (a.has_mask || a.has_q_lengths || a.has_segment_ids)
+    return invalid("a paged call takes no mask, q_lengths or segment ids (has_mask, "
+                   "has_q_lengths and has_segment_ids must be false)");
+  if (!a.has_kv_lengths) return invalid("a paged call needs kv_lengths (has_kv_lengths)");
+  if (!a.bottom_right || a.seq_major)
+    return invalid("a paged call is bottom-right aligned with q [B, Hq, Lq, D] "
+                   "(bottom_right = true, seq_major = false)");
+  if (a.kv_layout != kKvLayoutHeadMajor && a.kv_layout != kKvLayoutSlotMajor)
+    return invalid("kv_layout must be 0 (pages [P, Hk, S, D]) or 1 ([P, S, Hk, D]), got " +
+                   std::to_string(a.kv_layout));
+  const bool head_major = a.kv_layout == kKvLayoutHeadMajor;
+  const char* layout = head_major ? "[num_pages, Hk, page_size, " : "[num_pages, page_size, Hk, ";
+
+  detail::Bhld qs;
+  if (auto e = detail::read_bhld("q", q.dimensions(), false, &qs); e.failure()) return e;
+  if (!detail::to_dtype(q.element_type(), &p->dtype))
+    return invalid("q must be float32, float16 or bfloat16, got " +
+                   detail::dtype_str(q.element_type()));
+  if (k_pages.element_type() != q.element_type() || v_pages.element_type() != q.element_type())
+    return invalid("q, k_pages and v_pages must have the same dtype, got " +
+                   detail::dtype_str(q.element_type()) + ", " +
+                   detail::dtype_str(k_pages.element_type()) + ", " +
+                   detail::dtype_str(v_pages.element_type()));
+  auto kd = k_pages.dimensions(), vd = v_pages.dimensions();
+  if (kd.size() != 4 || vd.size() != 4)
+    return invalid(std::string("k_pages and v_pages must have rank 4 ") + layout +
+                   "D], got " + dims_str(kd) + " and " + dims_str(vd));
+  for (auto x : kd)
+    if (x < 0) return invalid("k_pages has a negative dimension " + dims_str(kd));
+  for (auto x : vd)
+    if (x < 0) return invalid("v_pages has a negative dimension " + dims_str(vd));
+  const int64_t num_pages = kd[0];
+  const int64_t heads_kv = head_major ? kd[1] : kd[2];
+  const int64_t page_size = head_major ? kd[2] : kd[1];
+  const int64_t head_dim = kd[3], head_dim_v = vd[3];
+  if (vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
+    return invalid(std::string("k_pages ") + dims_str(kd) + " and v_pages " + dims_str(vd) +
+                   " must agree in num_pages, Hk and page_size (" + layout + "D])");
+  if (num_pages == 0 || page_size == 0)
+    return invalid("the page pool must hold pages of at least one slot, got k_pages " +
+                   dims_str(kd));
+  if (heads_kv == 0 || qs.h % heads_kv != 0)
+    return invalid("heads: q has " + std::to_string(qs.h) + ", k_pages " +
+                   std::to_string(heads_kv) + "; need q a multiple of k_pages' (k_pages " +
+                   dims_str(kd) + ", " + layout + "D])");
+  if (head_dim != qs.d)
+    return invalid("q and k_pages head dims differ: q " + dims_str(q.dimensions()) +
+                   ", k_pages " + dims_str(kd));
+  if (qs.d == 0 || head_dim_v == 0)
+    return invalid("head dims must be positive, got D=" + std::to_string(qs.d) +
+                   ", Dv=" + std::to_string(head_dim_v));
+
+  auto pd = page_indices.dimensions();
+  if (page_indices.element_type() != ffi::DataType::S32 || pd.size() != 2 || pd[0] != qs.b ||
+      pd[1] < 1)
+    return invalid("page_indices must be int32 [B=" + std::to_string(qs.b) +
+                   ", pages_per_seq >= 1], got " +
+                   detail::typed_dims_str(page_indices.element_type(), pd));
+  auto ld = kv_lengths.dimensions();
+  if (kv_lengths.element_type() != ffi::DataType::S32 || ld.size() != 1 || ld[0] != qs.b)
+    return invalid("kv_lengths must be int32 [B=" + std::to_string(qs.b) + "], got " +
+                   detail::typed_dims_str(kv_lengths.element_type(), ld));
+
+  p->batch = qs.b;
+  p->heads_q = qs.h;
+  p->heads_kv = heads_kv;
+  p->len_q = qs.l;
+  p->pages_per_seq = pd[1];
+  p->page_size = page_size;
+  p->num_pages = num_pages;
+  p->len_kv = pd[1] * page_size;
+  p->head_dim = qs.d;
+  p->head_dim_v = head_dim_v;
+  p->seq_major = false;
+  detail::set_strides(qs, false, p->q_stride);
+  detail::set_strides({qs.b, qs.h, qs.l, head_dim_v}, false, p->o_stride);
+  auto page_strides = [&](int64_t d, int64_t stride[3]) {
+    stride[0] = heads_kv * page_size * d;                  // page
+    stride[1] = head_major ? page_size * d : d;            // head
+    stride[2] = head_major ? d : heads_kv * d;             // slot
+  };
+  page_strides(head_dim, p->k_stride);
+  page_strides(head_dim_v, p->v_stride);
+  p->page_indices = static_cast<const int32_t*>(page_indices.untyped_data());
+  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->q_lengths = nullptr;
+  p->q_segment_ids = p->kv_segment_ids = nullptr;
+  p->mask_kind = MaskKind::kNone;
+  p->mask = nullptr;
+
+  if (auto e = unpack_scalar_attrs(a, p); e.failure()) return e;
+  p->sinks = nullptr;
+  if (a.has_sinks) {
+    auto sd = sinks.dimensions();
+    if (sinks.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[1] != p->heads_q ||
+        (sd[0] != 1 && sd[0] != p->batch))
+      return invalid("sinks must be float32 [1 or B, Hq], got " +
+                     detail::typed_dims_str(sinks.element_type(), sd));
+    p->sinks = static_cast<const float*>(sinks.untyped_data());
+    p->sinks_batch_stride = (sd[0] == 1 && p->batch != 1) ? 0 : p->heads_q;
+  }
+
+  if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", head_dim_v);
+      e.failure())
+    return e;
+  if (auto e = check_lse(lse.dimensions(), lse.element_type(), *p); e.failure()) return e;
+  buf->q = q.untyped_data();
+  buf->k = k_pages.untyped_data();
+  buf->v = v_pages.untyped_data();
   buf->out = out.untyped_data();
   buf->lse = static_cast<float*>(lse.untyped_data());
   return ffi::Error::Success();

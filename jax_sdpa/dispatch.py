@@ -582,3 +582,77 @@ def ffi_target(name: str, direction: str, cfg: Optional[Config] = None) -> str:
     if name != "cuda":
         return f"jax_sdpa_{name}_{direction}"
     return _target(_Call(cfg, direction, "cuda"), name)
+
+
+# ---- paged KV (jax_sdpa/paged.py) -----------------------------------------------
+
+def paged_target(name: str) -> str:
+    """The FFI target of implementation `name`'s paged forward."""
+    return f"jax_sdpa_{name}_paged_fwd"
+
+
+def _without_features(cfg: Config) -> Config:
+    """The call without segment ids and soft-capping: what the base rules judge (the paged
+    target's own served features are checked separately)."""
+    return dataclasses.replace(cfg, has_segment_ids=False, params=dataclasses.replace(
+        cfg.params, logits_soft_cap=0.0))
+
+
+def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
+    """Whether implementation `name` serves a paged call (`cfg` describes the contiguous
+    call it stands for): its module registers the paged target, its kernels serve the
+    shapes (the rules of the contiguous forward; on CUDA, our decode kernel's) and the
+    target declares the features the call uses."""
+    if name in ("xla", "xla_chunked"):
+        return _ok("gathers the pages into a contiguous cache, then "
+                   + ("the online softmax over key blocks" if name == "xla_chunked"
+                      else "the exact einsum softmax"))
+    if (r := _platform_check(name, platform)) is not None:
+        return r
+    target = paged_target(name)
+    if target not in _ext.ffi_targets():
+        return _no(f"this build's {name} module registers no paged target ({target})")
+    base = _without_features(cfg)
+    if name == "cuda":
+        ok, why = _Call(base, "fwd", platform).decode
+    else:
+        ok, why = _Call(base, "fwd", platform).verdict(name)
+    if not ok:
+        return _no(why)
+    if (r := _unserved_features(cfg, target, f"the {name} paged kernel")):
+        return r
+    return _ok(f"reads the pages in place [{target}]")
+
+
+def _paged_preference(platform: str):
+    if platform == "cuda":
+        return ["cuda", "cudnn"]
+    if platform == "cpu":
+        return (["metal"] if sys.platform == "darwin" else []) + ["cpu"]
+    return []
+
+
+def plan_paged(cfg: Config, platform: str, implementation: Optional[str] = None) -> Plan:
+    """The plan of a paged forward: a named implementation runs or raises
+    NotImplementedError with its reason; None takes the first fused one whose module serves
+    paged calls, else xla / xla_chunked (never fails for want of a kernel)."""
+    if implementation is None:
+        names = [n for n in _paged_preference(platform) if _paged_verdict(n, cfg, platform)[0]]
+        name = names[0] if names else _xla_choice(cfg)
+    else:
+        name = implementation
+    ok, reason = _paged_verdict(name, cfg, platform)
+    if not ok:
+        raise NotImplementedError(f"jax_sdpa: implementation={name!r} can't serve this paged "
+                                  f"call: {reason}")
+    if name in ("xla", "xla_chunked"):
+        return Plan(name, None, 0, reason)
+    target = paged_target(name)
+    workspace = cuda_decode_workspace_bytes(cfg) if name == "cuda" else 0
+    return Plan(name, target, workspace, reason)
+
+
+def explain_paged_choice(cfg: Config, platform: str):
+    """(chosen, {name: (ok, reason)}) for every implementation of a paged call."""
+    verdicts = {name: _paged_verdict(name, cfg, platform) for name in IMPLEMENTATIONS}
+    return plan_paged(cfg, platform).implementation, verdicts

@@ -306,3 +306,76 @@ def lower_partitioned(ctx, prim, direction, args, kw):
                          decode_shardings=False, sharding_rule=rule, **factors)
     return mlir.lower_fun(lambda *xs: op(*xs), multiple_results=True)(ctx, *args)
 
+
+
+# ---------------------------------------------------------------------------
+# the paged forward (jax_sdpa/paged.py): split over batch and kv heads
+
+def _paged_plan(q_shape, heads_kv, q_sharding):
+    """(mesh with axes (_B, _HK, _REST), batch axes, head axes) from q's sharding: its batch
+    tiles split the batch, its head tiles the kv heads when each shard then holds whole kv
+    heads (and their pages' head slices); anything else is replicated."""
+    tiles = _tile_devices(q_sharding, 4)
+    if tiles is None:
+        devices = np.asarray(q_sharding._device_assignment, dtype=object)
+        return Mesh(devices.reshape(1, 1, -1), (_B, _HK, _REST)), (), ()
+    devices = tiles.reshape(tiles.shape[0], tiles.shape[1], -1)  # sequence, head dim: rest
+    tb, th = devices.shape[:2]
+    batch = (_B,) if tb > 1 and q_shape[0] % tb == 0 else ()
+    heads = (_HK,) if th > 1 and heads_kv % th == 0 else ()
+    return Mesh(devices, (_B, _HK, _REST)), batch, heads
+
+
+def lower_paged_partitioned(ctx, prim, args, kw):
+    """Lowering of sdpa_paged_fwd_p as a custom_partitioning op: per shard the primitive
+    runs on its batch rows and kv heads (the page pool split on its head axis, page
+    indices and lengths on the batch), so the pages are never gathered."""
+    q_shape, k_shape = ctx.avals_in[0].shape, ctx.avals_in[1].shape
+    sinks_shape = ctx.avals_in[5].shape
+    kv_layout, has_sinks = kw["kv_layout"], kw["has_sinks"]
+    hq = q_shape[1]
+    hk = k_shape[1] if kv_layout == 0 else k_shape[2]
+
+    def body(*xs):
+        return tuple(prim.bind(*xs, **kw))
+
+    def specs(batch, heads):
+        b, h = _axes(batch), _axes(heads)
+        pages = P(None, h, None, None) if kv_layout == 0 else P(None, None, h, None)
+        sinks = (P(b if sinks_shape[0] == q_shape[0] and q_shape[0] > 1 else None, h)
+                 if has_sinks else P(None))
+        operands = [P(b, h, None, None), pages, pages, P(b, None), P(b), sinks]
+        return operands, [P(b, h, None, None), P(b, h, None)]
+
+    def partition(mesh, arg_shapes, result_shape):
+        del mesh
+        m, batch, heads = _paged_plan(q_shape, hk, arg_shapes[0].sharding)
+        operand_specs, result_specs = specs(batch, heads)
+
+        def per_shard(*xs):
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                return tuple(prim.bind(*xs, **kw))
+
+        named = lambda ss: tuple(NamedSharding(m, s) for s in ss)  # noqa: E731
+        return m, per_shard, named(result_specs), named(operand_specs)
+
+    def infer(mesh, arg_shapes, result_shape):
+        m, batch, heads = _paged_plan(q_shape, hk, arg_shapes[0].sharding)
+        return tuple(NamedSharding(m, s) for s in specs(batch, heads)[1])
+
+    qh = "k" if hk == hq else ("g" if hk == 1 else "(k g)")
+    pages = "p k s d" if kv_layout == 0 else "p s k d"
+    sinks = (("b" if sinks_shape[0] == q_shape[0] else "sb") + f" {qh}" if has_sinks
+             else "zsinks")
+    rule = (f"b {qh} t d, {pages}, {pages.replace(' d', ' e')}, b n, b, {sinks} -> "
+            f"b {qh} t e, b {qh} t")
+    factors = {"g": hq // hk} if qh == "(k g)" else {}
+    op = custom_partitioning(body)
+    try:
+        op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                         decode_shardings=False, sharding_rule=rule,
+                         need_replication_factors=("t", "d", "p", "s", "e", "n"), **factors)
+    except TypeError:  # a jax without need_replication_factors
+        op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                         decode_shardings=False, sharding_rule=rule, **factors)
+    return mlir.lower_fun(lambda *xs: op(*xs), multiple_results=True)(ctx, *args)

@@ -162,6 +162,48 @@ def p_batch_heads_segments_soft_cap():
                       kernel_shape="f32[2,2,16,8]")
 
 
+def dispatch_paged_target(name):
+    from jax_sdpa import dispatch
+
+    return dispatch.paged_target(name)
+
+
+def p_paged_kv_heads_and_batch():
+    """paged_attention under jit with q and the page pool split over kv heads (and q's
+    batch over a second axis): equal to the unsharded call, no all-gather, the kernel per
+    shard where a paged target serves it."""
+    m = mesh((2, 4), ("b", "h"))
+    b, hq, hk, d, s, pps, num_pages = 4, 8, 4, 8, 8, 3, 14
+    for layout, pool_spec in (("PHSD", P(None, "h")), ("PSHD", P(None, None, "h"))):
+        shape = (num_pages, hk, s, d) if layout == "PHSD" else (num_pages, s, hk, d)
+        q, kp, vp = normal(b, hq, 2, d), normal(*shape), normal(*shape)
+        idx = jnp.asarray(_rng.permutation(num_pages)[:b * pps].reshape(b, pps), jnp.int32)
+        lengths = jnp.asarray(_rng.integers(1, pps * s + 1, b), jnp.int32)
+        sinks = normal(hq)
+
+        def f(q, kp, vp, idx, lengths, sinks):
+            return jax_sdpa.paged_attention(q, kp, vp, idx, lengths, mask="causal",
+                                            sinks=sinks, kv_layout=layout)
+
+        want = jax.jit(f)(q, kp, vp, idx, lengths, sinks)
+        shardings = (NamedSharding(m, P("b", "h")), NamedSharding(m, pool_spec),
+                     NamedSharding(m, pool_spec), NamedSharding(m, P("b")),
+                     NamedSharding(m, P("b")), NamedSharding(m, P("h")))
+        placed = [jax.device_put(a, sh) for a, sh in
+                  zip((q, kp, vp, idx, lengths, sinks), shardings)]
+        lowered = jax.jit(f).lower(*placed)
+        assert "CustomSPMDPartitioning" in lowered.as_text(), "the primitive was not partitioned"
+        compiled = lowered.compile()
+        close(compiled(*placed), want, f"paged {layout}")
+        bad = collectives(compiled.as_text())
+        assert not bad, f"paged {layout} has {bad}"
+        if IMPL not in ("xla", "xla_chunked") and \
+                dispatch_paged_target(IMPL) in jax_sdpa._ext.ffi_targets():
+            calls = [ln for ln in compiled.as_text().splitlines()
+                     if dispatch_paged_target(IMPL) in ln]
+            assert calls and all("f32[2,2,2,8]" in ln for ln in calls), calls[:1]
+
+
 def p_heads_full_mask_sinks_qlengths():
     # a per-head bool mask and the sinks are split with the query heads
     m = mesh((2, 4), ("b", "h"))
@@ -300,7 +342,7 @@ PARTITION = [p_gqa_batch_heads, p_batch_mask_sinks_lengths, p_heads_full_mask_si
              p_explicit_mesh, p_scan_checkpoint, p_seq_major_jax_nn, p_mqa_heads,
              p_sequence_sharded_to_heads, p_sequence_sharded, p_head_dim_sharded,
              p_more_head_shards_than_kv_heads, p_indivisible_heads, p_gspmd_partitioner,
-             p_vmap_under_jit, p_batch_heads_segments_soft_cap]
+             p_vmap_under_jit, p_batch_heads_segments_soft_cap, p_paged_kv_heads_and_batch]
 
 
 # ---------------------------------------------------------------------------
