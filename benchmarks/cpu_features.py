@@ -6,7 +6,8 @@ kernel and nothing of dispatch):
   attention), forward and forward+backward;
 - softcap: the same shape with logits_soft_cap=30 against it without, forward and
   forward+backward (D64 and D128);
-- paged: decode B8 Hq32/Hk8 Lk4096 D128 fp32 reading pages in place (both kv layouts)
+- paged: decode B8 Hq32/Hk8 Lk4096 D128 fp32 reading pages in place (both kv layouts,
+  page sizes 16 and 64)
   against the contiguous cache, and the xla gather (jax_sdpa.paged_attention's xla path)
   beside them.
 
@@ -125,8 +126,6 @@ def bench_softcap(rows, reps):
 
 
 def bench_paged(rows, reps):
-    from jax_sdpa.primitives import sdpa_paged_fwd_p  # noqa: F401  (needs the paged API)
-
     rng = np.random.default_rng(2)
     b, hq, hk, lk, d = 8, 32, 8, 4096, 128
     for page in (16, 64):
@@ -136,7 +135,7 @@ def bench_paged(rows, reps):
         k = rng.standard_normal((b, hk, lk, d)).astype(np.float32)
         v = rng.standard_normal((b, hk, lk, d)).astype(np.float32)
         table = rng.permutation(npages).astype(np.int32).reshape(b, pps)
-        # pages [P, Hk, S, D] holding the same cache: page table[b, j] = keys j*S.. of row b
+        # pages [P, Hk, S, D] ("PHSD") holding the same cache: page table[b, j] = keys j*S.. of row b
         kp = np.empty((npages, hk, page, d), np.float32)
         vp = np.empty((npages, hk, page, d), np.float32)
         for bi in range(b):
@@ -146,8 +145,8 @@ def bench_paged(rows, reps):
         kvl = jnp.full((b,), lk, jnp.int32)
         kc, vc = jnp.asarray(k), jnp.asarray(v)
         table = jnp.asarray(table)
-        hpsd = (jnp.asarray(kp), jnp.asarray(vp))
-        phsd = (jnp.asarray(kp.transpose(0, 2, 1, 3)), jnp.asarray(vp.transpose(0, 2, 1, 3)))
+        phsd = (jnp.asarray(kp), jnp.asarray(vp))
+        pshd = (jnp.asarray(kp.transpose(0, 2, 1, 3)), jnp.asarray(vp.transpose(0, 2, 1, 3)))
         sc = 1 / np.sqrt(d)
 
         def paged(layout, impl):
@@ -158,9 +157,9 @@ def bench_paged(rows, reps):
             q, k, v, key_value_seq_lengths=n, implementation="cpu"))
         fns = {
             "contiguous cpu": (contiguous, (q, kc, vc, kvl)),
-            "paged HPSD cpu": (paged("HPSD", "cpu"), (q, *hpsd, table, kvl)),
             "paged PHSD cpu": (paged("PHSD", "cpu"), (q, *phsd, table, kvl)),
-            "paged HPSD xla (gather)": (paged("HPSD", "xla"), (q, *hpsd, table, kvl)),
+            "paged PSHD cpu": (paged("PSHD", "cpu"), (q, *pshd, table, kvl)),
+            "paged PHSD xla (gather)": (paged("PHSD", "xla"), (q, *phsd, table, kvl)),
         }
         load0 = _load()
         t, r = interleaved(fns, reps)

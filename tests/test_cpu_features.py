@@ -306,3 +306,60 @@ def test_keys_split_across_threads(shape, rng):
     g = hq // hk
     assert np.isnan(out[0, :g]).all() and np.isnan(lse[0, :g]).all()
     assert np.isfinite(out[0, g:]).all()
+
+
+# ---------------------------------------------------------------------------
+# the paged forward (pages read in place)
+
+@pytest.mark.parametrize("layout", ["PHSD", "PSHD"])
+@pytest.mark.parametrize("case", [  # b, hq, hk, lq, d, page, pages_per_seq, dtype
+    (2, 8, 2, 1, 64, 16, 80, "float32"),   # decode, keys split across threads
+    (3, 4, 4, 3, 32, 24, 5, "bfloat16"),   # page size not a divisor of the key block
+    (1, 2, 1, 17, 24, 8, 9, "float32"),    # chunked prefill: wide tiles
+], ids=str)
+def test_paged_forward_reads_pages_in_place(layout, case, rng):
+    import jax_sdpa
+
+    b, hq, hk, lq, d, s, pps, dtype = case
+    dt = jnp.dtype(dtype)
+    num_pages = b * pps + 3
+    lengths = rng.integers(lq, pps * s + 1, size=b).astype(np.int32)
+    k = rng.standard_normal((b, hk, pps * s, d)).astype(np.float32)
+    v = rng.standard_normal((b, hk, pps * s, d)).astype(np.float32)
+    k, v = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x in (k, v))
+    table = rng.permutation(num_pages)[: b * pps].reshape(b, pps).astype(np.int32)
+    pool_k = np.full((num_pages, hk, s, d), np.nan, np.float32)  # unused pages: NaN
+    pool_v = np.full((num_pages, hk, s, d), np.nan, np.float32)
+    for bi in range(b):
+        for j in range(pps):
+            if j * s < lengths[bi]:  # pages past the length stay NaN: never read
+                pool_k[table[bi, j]] = k[bi, :, j * s:(j + 1) * s]
+                pool_v[table[bi, j]] = v[bi, :, j * s:(j + 1) * s]
+    if layout == "PSHD":
+        pool_k, pool_v = pool_k.transpose(0, 2, 1, 3), pool_v.transpose(0, 2, 1, 3)
+    q = rng.standard_normal((b, hq, lq, d)).astype(np.float32)
+    q = np.asarray(jnp.asarray(q, dt).astype(jnp.float32))
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    sinks = np.asarray(jnp.asarray(sinks, dt).astype(jnp.float32))
+    for cap in (None, 4.0):
+        got = jax.jit(lambda q, kp, vp, t, n: jax_sdpa.paged_attention(
+            q, kp, vp, t, n, mask="causal", sinks=jnp.asarray(sinks, dt), logits_soft_cap=cap,
+            kv_layout=layout, implementation="cpu"))(
+                *(jnp.asarray(x, dt) for x in (q, pool_k, pool_v)), table, lengths)
+        got = np.asarray(got.astype(jnp.float32))
+        assert np.isfinite(got).all()
+        kz, vz = np.nan_to_num(k), np.nan_to_num(v)
+        if cap is None:
+            want, _ = oracle.forward(q.astype(np.float64), kz.astype(np.float64),
+                                     vz.astype(np.float64), sinks=sinks.astype(np.float64),
+                                     kv_lengths=lengths, window_right=0, bottom_right=True)
+        else:  # the dense soft-cap oracle, one row at a time (lengths differ)
+            want = np.zeros_like(got, np.float64)
+            for bi in range(b):
+                n = lengths[bi]
+                want[bi:bi + 1], _, _ = _softcap_oracle(
+                    q[bi:bi + 1], kz[bi:bi + 1, :, :n], vz[bi:bi + 1, :, :n],
+                    np.zeros((1, hq, lq, d)), scale=1 / np.sqrt(d), cap=cap,
+                    sinks=sinks.astype(np.float64), causal=True)
+        tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
+        assert _rel(got, want) <= tol, cap
