@@ -539,6 +539,11 @@ void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Q
     const float* rows[KJ];
 #pragma GCC unroll 16
     for (int u = 0; u < KJ; ++u) rows[u] = (j0 + u < jn && kr[j0 + u]) ? kr[j0 + u] : zero_row;
+    // The rows a few steps ahead: a paged or slot-major row may start a new 4 KiB page,
+    // where the hardware prefetcher stops.
+    for (int64_t u = j0 + 4 * KJ; u < min64(jn, j0 + 5 * KJ); ++u)
+      if (kr[u])
+        for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(kr[u] + d);
     vf acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = vf{};
@@ -776,6 +781,9 @@ void fwd_task(void* vctx, int64_t task, int participant) {
             }
           }
         narrow_scores_any(np2, D, kr, jn, Qr, D, zero_row, St, np);
+        for (int64_t j = 0; j < jn; ++j)  // V rows in flight during the softmax
+          if (vr[j])
+            for (int64_t d = 0; d < Dv; d += 64 / sizeof(float)) __builtin_prefetch(vr[j] + d);
       } else if (f32) {
         const float* kp = static_cast<const float*>(buf.k);
         for (int64_t r = 0; r < nruns; ++r) {
