@@ -531,6 +531,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve_demo(args) -> int:
+    try:
+        import flax  # noqa: F401
+    except ImportError:
+        _print("jax-sdpa serve-demo needs flax: pip install 'jax_sdpa[flax]'", file=sys.stderr)
+        return 2
+    from jax_sdpa.examples import serve
+
+    _, worst = serve.demo(requests=args.requests, max_batch=args.max_batch,
+                          page_size=args.page_size, small=args.small,
+                          implementation=args.implementation, out=_print)
+    return 0 if worst < 1e-3 else 1  # the served logits must be the model's
+
+
 # ---------------------------------------------------------------------------
 
 def _positive_int(text: str) -> int:
@@ -554,6 +568,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=_positive_int, default=16, help="decode steps (default 16)")
     s.add_argument("--small", action="store_true", help="a tiny model (seconds)")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("serve-demo", help="continuous batching of the example GPT on a paged "
+                                          "KV cache (jax_sdpa.examples.serve)")
+    s.add_argument("--requests", type=_positive_int, default=8)
+    s.add_argument("--max-batch", type=_positive_int, default=4)
+    s.add_argument("--page-size", type=_positive_int, default=16)
+    s.add_argument("--small", action="store_true", help="a tiny model (seconds)")
+    s.add_argument("--implementation", "-i", default=None,
+                   help="paged_attention's implementation (default: the fastest that serves)")
+    s.set_defaults(fn=cmd_serve_demo)
 
     s = sub.add_parser("check", help="every available implementation vs the float64 "
                                      "oracle; non-zero exit on failure")
