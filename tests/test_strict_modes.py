@@ -31,8 +31,13 @@ def _inputs(seed=0):
     q, k, v = n(2, 4, 5, 8), n(2, 2, 7, 8), n(2, 2, 7, 8)
     mask = np.asarray(rng.random((2, 4, 5, 7)) < 0.6)
     mask[0, 1, 3] = False  # an empty row
+    q_ids = np.array([[0, 0, 1, 1, 9], [2, 2, 2, 3, 3]], np.int32)  # 9: an empty row
+    kv_ids = np.array([[0, 0, 0, 1, 1, 1, 1], [2, 2, 3, 3, 3, 3, 3]], np.int32)
+    pages = n(6, 2, 4, 8)
     return dict(q=q, k=k, v=v, mask=jnp.asarray(mask), bias=n(1, 4, 5, 7),
-                sinks=n(4), ql=jnp.array([5, 3], jnp.int32), kvl=jnp.array([4, 7], jnp.int32))
+                sinks=n(4), ql=jnp.array([5, 3], jnp.int32), kvl=jnp.array([4, 7], jnp.int32),
+                q_ids=jnp.asarray(q_ids), kv_ids=jnp.asarray(kv_ids), k_pages=pages,
+                v_pages=-pages, page_indices=jnp.array([[3, 0, -1], [5, 1, 2]], jnp.int32))
 
 
 def _calls(impl):
@@ -55,6 +60,12 @@ def _calls(impl):
     lengths = lambda x: mlx(x, mask="causal", sinks=x["sinks"],  # noqa: E731
                             query_seq_lengths=x["ql"], key_value_seq_lengths=x["kvl"])
     bias_mask = lambda x: nn(x, bias=x["bias"], mask=x["mask"])  # noqa: E731
+
+    def packed(x):
+        return mlx(x, mask="causal", sinks=x["sinks"], q_segment_ids=x["q_ids"],
+                   kv_segment_ids=x["kv_ids"], logits_soft_cap=2.0, local_window_size=(3, 1),
+                   key_value_seq_lengths=x["kvl"])
+
     return {
         "mlx_plain": lambda x: mlx(x),
         "mlx_bool_mask": lambda x: mlx(x, mask=x["mask"]),
@@ -70,6 +81,14 @@ def _calls(impl):
         "grad_bias_and_mask": lambda x: jax.grad(lambda b: jnp.sum(jnp.sin(bias_mask(
             dict(x, bias=b)))))(x["bias"]),
         "jvp_lengths_sinks": jvp(lengths),
+        "mlx_segments_soft_cap_window": packed,
+        "grad_segments_soft_cap_window": grad(packed),
+        "nn_segments_soft_cap_bias": lambda x: nn(x, bias=x["bias"], q_segment_ids=x["q_ids"],
+                                                  kv_segment_ids=x["kv_ids"],
+                                                  logits_soft_cap=1.5),
+        "paged": lambda x: jax_sdpa.paged_attention(
+            x["q"], x["k_pages"], x["v_pages"], x["page_indices"], x["kvl"] + 3,
+            mask="causal", sinks=x["sinks"], logits_soft_cap=3.0, implementation=impl),
         "vmap": lambda x: jax.vmap(lambda q: mlx(dict(x, q=q), mask=x["mask"]))(
             jnp.stack([x["q"], -x["q"]])),
         "flax": lambda x: jax_sdpa.flax.make_attention_fn(implementation=impl)(
