@@ -12,8 +12,9 @@ likewise with Hk heads; mask None or rank 4 [mB, mH, mLq, mLk] (each 1 or full,
 head-major), bool = keep or additive; sinks None or float [1 or B, Hq]; lengths
 None or int32 [B]; segment ids None or int32 [B, Lq] and [B, Lk] (both or neither: a
 query sees a key only where their ids are equal); params.logits_soft_cap > 0 caps the
-scaled logits, cap * tanh(scale * q.k / cap), before the additive mask. Returns (out, lse) with lse float32 [B, Hq, Lq] (natural log,
--inf for rows with nothing to attend, whose output is 0).
+scaled logits, cap * tanh(scale * q.k / cap), before the additive mask. Returns (out, lse)
+with lse float32 [B, Hq, Lq] (natural log, -inf for rows with nothing to attend, whose
+output is 0).
 
 Numerics (docs/ffi_contract.md): a row whose visible scores include a NaN gets NaN (out and
 lse), and so do its gradients; masked scores are replaced, never added to, so a NaN key a
