@@ -16,7 +16,7 @@ import pytest
 
 import jax_sdpa
 from jax_sdpa import _ext, oracle
-from sdpa_testing import DTYPES, fp32_rtol, implementations_here, max_rel_error
+from sdpa_testing import fp32_rtol, implementations_here, max_rel_error
 
 IMPLS = implementations_here() + [None]
 
