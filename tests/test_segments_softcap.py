@@ -422,3 +422,28 @@ def test_xla_chunked_segments_keep_linear_memory(with_grad):
           f"with segment ids + soft cap")
     assert packed < length * length / 4
     assert packed <= 1.25 * plain + 64 * length  # a few per-position arrays at most
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked", None], ids=str)
+def test_forward_mode_agrees_with_reverse_mode(impl, rng):
+    """jax.jvp (the reference's own derivative) and jax.vjp (the fused backward) of one call
+    with segment ids, soft cap, window and sinks: <jvp(t), c> == <t, vjp(c)>."""
+    b, hq, hk, l, d = 2, 4, 2, 19, 16
+    q, k, v, tq, tk, tv = (jnp.asarray(rng.standard_normal((b, h, l, d)), jnp.float32)
+                           for h in (hq, hk, hk, hq, hk, hk))
+    ids = jnp.asarray(np.sort(rng.integers(0, 4, (b, l)), axis=1), jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+
+    def f(q, k, v):
+        return jax_sdpa.scaled_dot_product_attention(
+            q, k, v, mask="causal", sinks=sinks, q_segment_ids=ids, logits_soft_cap=1.5,
+            local_window_size=(6, 0), implementation=impl)
+
+    with jax.default_matmul_precision("highest"):
+        _, out_t = jax.jvp(f, (q, k, v), (tq, tk, tv))
+        out, pullback = jax.vjp(f, q, k, v)
+        c = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+        gq, gk, gv = pullback(c)
+    lhs = float(jnp.vdot(out_t, c))
+    rhs = float(jnp.vdot(tq, gq) + jnp.vdot(tk, gk) + jnp.vdot(tv, gv))
+    assert abs(lhs - rhs) <= 1e-4 * max(1.0, abs(lhs)), (lhs, rhs)
