@@ -37,7 +37,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_sdpa import api, dispatch, primitives, reference, sharding
 from jax_sdpa.config import Config, StaticParams
 
-__all__ = ["paged_attention", "paged_kv_write", "KV_LAYOUTS"]
+__all__ = ["paged_attention", "paged_kv_write", "explain", "KV_LAYOUTS"]
 
 # kv_layout names -> the FFI attribute's value.
 KV_LAYOUTS = {"PHSD": 0, "PSHD": 1}
@@ -127,14 +127,31 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
     of jax_sdpa.IMPLEMENTATIONS. Pages past a row's length and out-of-range page indices are
     never read (module doc).
     """
+    args = _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, sinks,
+                         logits_soft_cap, local_window_size, kv_layout, implementation)
+    q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, layout = args
+    if implementation is not None:  # a named one that can't serve says why, at trace time
+        dispatch.plan_paged(_config_of(*args), api._trace_platform(), implementation)
+    b, hq, lq, _ = q.shape
+    if b == 0 or lq == 0:
+        dv = PagedShape.of(v_pages.shape, layout).head_dim
+        return jnp.zeros((b, hq, lq, dv), q.dtype)
+    return _paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params=params,
+                  kv_layout=layout)
+
+
+def _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, sinks,
+                  logits_soft_cap, local_window_size, kv_layout, implementation):
+    """paged_attention's validated, canonical arguments: (q, k_pages, v_pages,
+    page_indices, kv_lengths, sinks, params, layout)."""
     layout = _check_kv_layout(kv_layout)
     q = api._as_array(q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must have rank 4 [B, Hq, Lq, D], got shape {q.shape}")
     api._check_float(q, "q")
     api._check_implementation(implementation)
-    k_pages, v_pages, ks, dv = _check_pages(k_pages, v_pages, layout)
-    b, hq, lq, d = q.shape
+    k_pages, v_pages, ks, _ = _check_pages(k_pages, v_pages, layout)
+    b, hq, _, d = q.shape
     if ks.head_dim != d:
         raise ValueError(f"q and k_pages must have the same head dim: q {q.shape}, k_pages "
                          f"{k_pages.shape} ({_layout_text(layout)})")
@@ -162,14 +179,37 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
                           window_right=window_right, bottom_right=True, seq_major=False,
                           implementation=implementation,
                           logits_soft_cap=api._check_soft_cap(logits_soft_cap))
-    if implementation is not None:  # a named one that can't serve says why, at trace time
-        dispatch.plan_paged(paged_config(q.shape, k_pages.shape, v_pages.shape, q.dtype,
-                                         page_indices.shape, sinks is not None, params,
-                                         layout), api._trace_platform(), implementation)
-    if b == 0 or lq == 0:
-        return jnp.zeros((b, hq, lq, dv), dtype)
-    return _paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params=params,
-                  kv_layout=layout)
+    return q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, layout
+
+
+def _config_of(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, layout):
+    return paged_config(q.shape, k_pages.shape, v_pages.shape, q.dtype, page_indices.shape,
+                        sinks is not None, params, layout)
+
+
+def explain(q, k_pages, v_pages, page_indices, kv_lengths, *, scale=None, mask=None,
+            sinks=None, logits_soft_cap=None, local_window_size=None, kv_layout="PHSD",
+            platform: Optional[str] = None) -> api.Explanation:
+    """Same arguments as `paged_attention` (arrays or jax.ShapeDtypeStruct): which
+    implementation `implementation=None` runs on `platform` (default: the default backend)
+    and, for every implementation, whether it serves the paged call and why not."""
+    captured = {}
+    mask_string = mask if isinstance(mask, str) else None
+
+    def trace(q, k_pages, v_pages, page_indices, kv_lengths, mask_array, sinks):
+        args = _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale,
+                             mask_string or mask_array, sinks, logits_soft_cap,
+                             local_window_size, kv_layout, None)
+        captured["cfg"] = _config_of(*args)
+        return jnp.zeros(())
+
+    jax.eval_shape(trace, q, k_pages, v_pages, page_indices, kv_lengths,
+                   None if mask_string else mask, sinks)
+    cfg = captured["cfg"]
+    platform = platform or api._trace_platform()
+    chosen, verdicts = dispatch.explain_paged_choice(cfg, platform)
+    return api.Explanation(chosen=chosen, platform=platform, direction="paged fwd",
+                           verdicts=verdicts, config=cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("params", "kv_layout"))

@@ -284,3 +284,16 @@ def test_direct_ffi_call_arguments():
     assert attrs["has_kv_lengths"] and not (attrs["has_mask"] or attrs["has_q_lengths"]
                                             or attrs["has_segment_ids"])
     assert set(attrs) == set(jax_sdpa.primitives.ffi_call_args(scale=1.0)[1])
+
+
+def test_explain_names_every_implementation():
+    a = _args()
+    e = paged.explain(a["q"], a["k_pages"], a["v_pages"], a["page_indices"], a["kv_lengths"],
+                      mask="causal", logits_soft_cap=5.0)
+    assert set(e.verdicts) == set(jax_sdpa.IMPLEMENTATIONS)
+    assert e.verdicts[e.chosen][0]
+    assert e.verdicts["xla"][0] and "gathers" in e.verdicts["xla"][1]
+    for name in ("cpu", "metal"):
+        if dispatch.paged_target(name) not in jax_sdpa._ext.ffi_targets():
+            assert not e.verdicts[name][0]
+    assert "implementation=None ->" in str(e)
