@@ -1,4 +1,5 @@
-"""The FFI boundary: every CPU-platform handler (jax_sdpa_cpu_fwd/bwd, jax_sdpa_metal_fwd/bwd)
+"""The FFI boundary: every CPU-platform handler (jax_sdpa_cpu_fwd/bwd, jax_sdpa_metal_fwd/bwd,
+and their paged targets jax_sdpa_<backend>_paged_fwd where the module registers them)
 called directly through jax.ffi.ffi_call with wrong shapes, dtypes, sizes, attributes and
 placeholder misuse returns a readable error naming what is wrong, and never crashes; odd
 but valid calls (empty dims, lengths outside [0, L], a real operand behind a false flag)
@@ -89,6 +90,72 @@ def _bwd(b=1, hq=2, hk=1, lq=5, lk=7, d=8, dv=8, dtype=np.float32, results=None,
 
 def _f32(shape):
     return _arr(shape, np.float32)
+
+
+def _paged(b=2, hq=4, hk=2, lq=3, d=8, dv=8, page_size=4, pps=3, num_pages=7, layout=0,
+           q=None, k_pages=None, v_pages=None, idx=None, kvl=None, sinks=None, out=None,
+           lse=None, **attrs):
+    """A paged forward call (docs/ffi_contract.md, "Paged KV"): operands, results, attrs."""
+    from jax_sdpa import paged
+
+    pool = (num_pages, hk, page_size) if layout == 0 else (num_pages, page_size, hk)
+    q = _arr((b, hq, lq, d), np.float32, 1) if q is None else q
+    k_pages = _arr(pool + (d,), np.float32, 2) if k_pages is None else k_pages
+    v_pages = _arr(pool + (dv,), np.float32, 3) if v_pages is None else v_pages
+    rng = np.random.default_rng(4)
+    idx = (rng.integers(0, num_pages, (b, pps)).astype(np.int32) if idx is None else idx)
+    kvl = np.full((b,), pps * page_size - 1, np.int32) if kvl is None else kvl
+    sinks_operand, a = paged.paged_ffi_call_args(scale=0.35, sinks=sinks,
+                                                 kv_layout=("PHSD", "PSHD")[layout])
+    a = {k: v for k, v in dict(a, **attrs).items() if v is not _DROP}
+    results = [out or _spec(q.shape[:3] + (v_pages.shape[3],), q.dtype),
+               lse or _spec(q.shape[:3], np.float32)]
+    return [q, k_pages, v_pages, idx, kvl, np.asarray(sinks_operand)], results, a
+
+
+# Cases of the paged targets: (builder of the call, expectation).
+PAGED_CASES = {
+    "ok": (lambda: _paged(), "ok"),
+    "ok_slot_major": (lambda: _paged(layout=1), "ok"),
+    "ok_sinks_gqa_decode": (lambda: _paged(lq=1, hq=8, sinks=_f32((1, 8))), "ok"),
+    "ok_out_of_range_pages": (lambda: _paged(idx=np.array([[-1, 3, 7], [2**31 - 1, -9, 0]],
+                                                          np.int32)), "ok"),
+    "ok_lengths_out_of_range": (lambda: _paged(kvl=np.array([-5, 2**31 - 1], np.int32)),
+                                "ok"),
+    "ok_window_soft_cap": (lambda: _paged(window_left=np.int64(3), window_right=np.int64(0),
+                                          logits_soft_cap=2.0), "ok|does not serve"),
+    "has_mask": (lambda: _paged(has_mask=True), r"no mask, q_lengths or segment ids"),
+    "has_segment_ids": (lambda: _paged(has_segment_ids=True), r"no mask"),
+    "no_kv_lengths": (lambda: _paged(has_kv_lengths=False), r"needs kv_lengths"),
+    "seq_major": (lambda: _paged(seq_major=True), r"bottom_right = true, seq_major = false"),
+    "top_left": (lambda: _paged(bottom_right=False), r"bottom-right"),
+    "kv_layout_2": (lambda: _paged(kv_layout=np.int64(2)), r"kv_layout must be 0 .* or 1"),
+    "k_pages_rank_3": (lambda: _paged(k_pages=_f32((7, 2, 4))), r"rank 4"),
+    "pools_disagree": (lambda: _paged(v_pages=_f32((6, 2, 4, 8))), r"must agree"),
+    "empty_pool": (lambda: _paged(num_pages=0, idx=np.zeros((2, 3), np.int32)),
+                   r"at least one slot"),
+    "heads_not_multiple": (lambda: _paged(hq=3), r"heads"),
+    "head_dims_differ": (lambda: _paged(k_pages=_f32((7, 2, 4, 16))), r"head dims differ"),
+    "q_int32": (lambda: _paged(q=_arr((2, 4, 3, 8), np.int32)), r"q must be float32"),
+    "pages_dtype": (lambda: _paged(v_pages=_arr((7, 2, 4, 8), np.float16)),
+                    r"same dtype"),
+    "page_indices_uint32": (lambda: _paged(idx=np.zeros((2, 3), np.uint32)),
+                            r"page_indices must be int32 .*got uint32"),
+    "page_indices_batch": (lambda: _paged(idx=np.zeros((3, 3), np.int32)),
+                           r"page_indices must be int32 \[B=2"),
+    "no_pages_per_seq": (lambda: _paged(idx=np.zeros((2, 0), np.int32)),
+                         r"pages_per_seq >= 1"),
+    "kv_lengths_float": (lambda: _paged(kvl=np.zeros(2, np.float32)),
+                         r"kv_lengths must be int32"),
+    "sinks_shape": (lambda: _paged(sinks=_f32((1, 3))), r"sinks must be float32"),
+    "sinks_placeholder_behind_true_flag": (lambda: _paged(has_sinks=True),
+                                           r"sinks must be float32"),
+    "out_shape": (lambda: _paged(out=_spec((2, 4, 3, 16))), r"out has shape"),
+    "lse_shape": (lambda: _paged(lse=_spec((2, 4, 2))), r"lse must be float32"),
+    "soft_cap_nan": (lambda: _paged(logits_soft_cap=float("nan")), r"logits_soft_cap"),
+    "scale_inf": (lambda: _paged(scale=float("inf")), r"scale must be finite"),
+    "attribute_missing": (lambda: _paged(kv_layout=_DROP), r"(?i)attr|kv_layout"),
+}
 
 
 # name -> (direction, builder, expectation): "ok" or a regex the error must match.
@@ -191,9 +258,14 @@ def _run_case(handler, direction, name):
     from jax_sdpa import _ext
 
     _ext._load()
-    _, build, _ = CASES[name]
-    operands, results, attrs = build(_fwd if direction == "fwd" else _bwd)
-    call = jax.ffi.ffi_call(f"jax_sdpa_{handler}_{direction}", results)
+    if direction == "paged":
+        operands, results, attrs = PAGED_CASES[name][0]()
+        target = f"jax_sdpa_{handler}_paged_fwd"
+    else:
+        _, build, _ = CASES[name]
+        operands, results, attrs = build(_fwd if direction == "fwd" else _bwd)
+        target = f"jax_sdpa_{handler}_{direction}"
+    call = jax.ffi.ffi_call(target, results)
     try:
         outs = jax.jit(lambda *a: call(*a, **attrs))(*operands)
         outs = [np.asarray(o) for o in outs]
@@ -204,9 +276,21 @@ def _run_case(handler, direction, name):
     return "ok"
 
 
-def _units():
-    return [f"{name}:{d}" for name, (direction, _, _) in CASES.items()
-            for d in ("fwd", "bwd") if direction in ("both", d)]
+def _units(handler=None):
+    """name:direction of every case; the paged ones where `handler`'s module registers its
+    paged target."""
+    units = [f"{name}:{d}" for name, (direction, _, _) in CASES.items()
+             for d in ("fwd", "bwd") if direction in ("both", d)]
+    if handler is not None:
+        from jax_sdpa import _ext
+        if f"jax_sdpa_{handler}_paged_fwd" in _ext.ffi_targets():
+            units += [f"{name}:paged" for name in PAGED_CASES]
+    return units
+
+
+def _expectation(unit):
+    name, direction = unit.split(":")
+    return PAGED_CASES[name][1] if direction == "paged" else CASES[name][2]
 
 
 def child(handler, units):
@@ -251,6 +335,8 @@ def _run_child(handler, units):
 def _as_expected(handler, expect, got):
     if expect == "ok":
         return got == "ok"
+    if expect == "ok|does not serve":  # a feature the paged target may not serve yet
+        return got == "ok" or (got.startswith("error") and "does not serve" in got)
     if expect.startswith("ok|"):  # the CPU kernel serves it, the Metal kernels refuse it
         if handler != "metal":
             return got == "ok"
@@ -266,10 +352,10 @@ def test_cpu_and_metal_handlers_never_crash_and_say_what_is_wrong():
         pytest.skip("no CPU-platform handler built")
     problems = []
     for handler in handlers:
-        results = _run_child(handler, _units())
+        results = _run_child(handler, _units(handler))
         assert "child" not in results, results["child"]
-        for unit in _units():
-            expect = CASES[unit.split(":")[0]][2]
+        for unit in _units(handler):
+            expect = _expectation(unit)
             got = results.get(unit, "missing")
             if not _as_expected(handler, expect, got):
                 problems.append(f"{handler} {unit}: expected {expect!r}, got {got}")
@@ -278,7 +364,7 @@ def test_cpu_and_metal_handlers_never_crash_and_say_what_is_wrong():
 
 if __name__ == "__main__":
     if sys.argv[1] == "--print":  # a look at every message: --print cpu|metal
-        for unit in _units():
+        for unit in _units(sys.argv[2]):
             name, direction = unit.split(":")
             print(unit, "->", _run_case(sys.argv[2], direction, name))
     else:
