@@ -44,6 +44,7 @@ constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 xmm/NEON registers (of 32 on 
 #endif
 constexpr int64_t kBq = 64;  // rows (queries x group heads) per tile
 constexpr int64_t kBk = 64;  // keys per block
+constexpr int64_t kSplitKeys = 512;  // fewest keys worth a task of their own (split keys)
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -83,6 +84,26 @@ inline vf vexp(vf x) {
   vi e = ((vi)t - (vi)magic + 127) << 23;  // 2^n
   y = y * (vf)e;
   return select(under, splat(0.0f), y);
+}
+
+// tanh: x * P(x^2) / Q(x^2) on x clamped to [-9, 9] (tanh(9) rounds to 1), a rational
+// least-squares fit of relative error (8e-8 in exact arithmetic, ~4e-7 evaluated in float32).
+// One division and no exp: the soft-capped path stays close to the plain one. NaN stays NaN.
+inline vf vtanh(vf x) {
+  x = select(x > splat(9.0f), splat(9.0f), x);
+  x = select(x < splat(-9.0f), splat(-9.0f), x);
+  const vf y = x * x;
+  vf p = splat(1.89672167e-11f);
+  p = p * y + splat(-1.30800461e-08f);
+  p = p * y + splat(9.37335348e-06f);
+  p = p * y + splat(2.93278860e-03f);
+  p = p * y + splat(1.29305589e-01f);
+  p = p * y + splat(9.99999964e-01f);
+  vf q = splat(2.29738435e-04f);
+  q = q * y + splat(2.38128389e-02f);
+  q = q * y + splat(4.62638578e-01f);
+  q = q * y + splat(1.0f);
+  return x * p / q;
 }
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -237,12 +258,67 @@ struct Carver {
     p += floats_bytes(n);
     return r;
   }
+  int32_t* i32(int64_t n) {
+    int32_t* r = reinterpret_cast<int32_t*>(p);
+    p += (size_t)round_up(n * 4, 64);
+    return r;
+  }
   int64_t* ints(int64_t n) {
     int64_t* r = reinterpret_cast<int64_t*>(p);
     p += (size_t)round_up(n * 8, 64);
     return r;
   }
 };
+
+// ---- packed sequences -------------------------------------------------------------
+// The [lo, hi] range of the kv segment ids of every aligned block of kBk keys of every
+// batch row, computed once per call: a (query tile, key block) pair whose ranges do not
+// overlap has no visible pair and is skipped (exact for sorted packing, conservative else).
+struct SegBlocks {
+  const int32_t* q_ids = nullptr;   // null: no segment ids
+  const int32_t* kv_ids = nullptr;
+  int32_t* lo = nullptr;            // [B][nblk]
+  int32_t* hi = nullptr;
+  int64_t nblk = 0;
+};
+
+bool seg_blocks_build(const SdpaParams& p, SegBlocks* s) {
+  if (!p.q_segment_ids) return true;
+  s->q_ids = p.q_segment_ids;
+  s->kv_ids = p.kv_segment_ids;
+  s->nblk = (p.len_kv + kBk - 1) / kBk;
+  const int64_t n = max64(1, p.batch * s->nblk);
+  s->lo = static_cast<int32_t*>(malloc(2 * n * sizeof(int32_t)));
+  if (!s->lo) return false;
+  s->hi = s->lo + n;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t blk = 0; blk < s->nblk; ++blk) {
+      const int32_t* ids = p.kv_segment_ids + b * p.len_kv;
+      int32_t lo = INT32_MAX, hi = INT32_MIN;
+      for (int64_t j = blk * kBk; j < min64(p.len_kv, (blk + 1) * kBk); ++j) {
+        lo = ids[j] < lo ? ids[j] : lo;
+        hi = ids[j] > hi ? ids[j] : hi;
+      }
+      s->lo[b * s->nblk + blk] = lo;
+      s->hi[b * s->nblk + blk] = hi;
+    }
+  return true;
+}
+
+// What keys [j0, j0 + jn) of row b need against a tile of query ids in [qlo, qhi].
+enum class SegCover { kNone, kAll, kPartial };
+SegCover seg_cover(const SegBlocks& s, int64_t b, int64_t j0, int64_t jn, int32_t qlo,
+                   int32_t qhi) {
+  if (!s.q_ids) return SegCover::kAll;
+  if (jn <= 0 || qlo > qhi) return SegCover::kNone;
+  int32_t lo = INT32_MAX, hi = INT32_MIN;
+  for (int64_t blk = j0 / kBk; blk <= (j0 + jn - 1) / kBk; ++blk) {
+    lo = s.lo[b * s.nblk + blk] < lo ? s.lo[b * s.nblk + blk] : lo;
+    hi = s.hi[b * s.nblk + blk] > hi ? s.hi[b * s.nblk + blk] : hi;
+  }
+  if (hi < qlo || lo > qhi) return SegCover::kNone;
+  return lo == hi && qlo == qhi ? SegCover::kAll : SegCover::kPartial;
+}
 
 // ---- a query tile ---------------------------------------------------------------
 struct Tile {
@@ -251,6 +327,8 @@ struct Tile {
   int64_t *col_i, *col_h, *kf, *kl;  // per row: query, head, visible band [kf, kl)
   int64_t KF, KL;                    // union of the bands
   int64_t maxKF, minKL;              // a key block inside [maxKF, minKL) needs no band mask
+  int32_t* qseg;                     // per row (np of them): its query's segment id
+  int32_t qlo, qhi;                  // their range over rows that see a key (lo > hi: none)
 };
 
 void setup_tile(const SdpaParams& p, Tile* t) {
@@ -263,6 +341,8 @@ void setup_tile(const SdpaParams& p, Tile* t) {
   t->KL = 0;
   t->maxKF = 0;
   t->minKL = INT64_MAX;
+  t->qlo = INT32_MAX;
+  t->qhi = INT32_MIN;
   for (int64_t c = 0; c < t->n; ++c) {
     int64_t r = t->r0 + c, i = r / G;
     t->col_i[c] = i;
@@ -281,16 +361,39 @@ void setup_tile(const SdpaParams& p, Tile* t) {
     }
     t->maxKF = max64(t->maxKF, f);
     t->minKL = min64(t->minKL, l);
+    if (p.q_segment_ids) {
+      const int32_t id = p.q_segment_ids[t->b * p.len_q + i];
+      t->qseg[c] = id;
+      if (l > f) {
+        t->qlo = id < t->qlo ? id : t->qlo;
+        t->qhi = id > t->qhi ? id : t->qhi;
+      }
+    }
   }
+  if (p.q_segment_ids)
+    for (int64_t c = t->n; c < t->np; ++c) t->qseg[c] = t->n ? t->qseg[0] : 0;
   if (t->KL == 0) t->KF = 0;
 }
 
-// St[jn x np] holds q·k for keys j0.. of the tile; applies scale, the mask and
-// the band (-inf = invisible). Padding columns (c >= n) are left alone.
-void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St) {
+// St[jn x np] holds q·k for keys j0.. of the tile; applies scale, the soft cap, the mask,
+// the band and (seg == kPartial) the segment ids (-inf = invisible). Padding columns
+// (c >= n) are left alone where masks apply. With a soft cap, dcap (when given) receives
+// its derivative 1 - tanh^2 per score (backward).
+void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St,
+                    SegCover seg, float* dcap) {
   const int64_t np = t.np;
-  const vf sc = splat((float)p.scale);
-  for (int64_t x = 0; x < jn * np; x += W) storev(St + x, loadv(St + x) * sc);
+  if (p.logits_soft_cap > 0) {
+    const vf pre = splat((float)(p.scale / p.logits_soft_cap));
+    const vf cap = splat((float)p.logits_soft_cap);
+    for (int64_t x = 0; x < jn * np; x += W) {
+      vf th = vtanh(loadv(St + x) * pre);
+      storev(St + x, cap * th);
+      if (dcap) storev(dcap + x, splat(1.0f) - th * th);
+    }
+  } else {
+    const vf sc = splat((float)p.scale);
+    for (int64_t x = 0; x < jn * np; x += W) storev(St + x, loadv(St + x) * sc);
+  }
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t* ms = p.mask_stride;
     for (int64_t c = 0; c < t.n; ++c) {
@@ -317,6 +420,19 @@ void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, 
       for (int64_t j = hi; j < jn; ++j) St[j * np + c] = -INFINITY;
     }
   }
+  if (seg == SegCover::kPartial) {  // selected, not added: a NaN score of another segment goes
+    const int32_t* kv = p.kv_segment_ids + t.b * p.len_kv + j0;
+    const vf hidden = splat(-INFINITY);
+    for (int64_t j = 0; j < jn; ++j) {
+      vi id;
+      for (int x = 0; x < W; ++x) id[x] = kv[j];
+      for (int64_t c0 = 0; c0 < np; c0 += W) {
+        vi qs;
+        memcpy(&qs, t.qseg + c0, sizeof qs);
+        storev(St + j * np + c0, select(qs == id, loadv(St + j * np + c0), hidden));
+      }
+    }
+  }
 }
 
 // Qt[d][c] = X row of column c (zero for padding / invalid rows); also returns
@@ -340,13 +456,242 @@ void pack_rows(const SdpaParams& p, const Tile& t, const void* X, const int64_t 
   }
 }
 
+// ---- where a block's keys live --------------------------------------------------
+// Keys j .. j+n of a block whose K and V rows sit at constant strides from element
+// offsets k and v of the K / V buffers; k < 0: a paged key whose page index is out of
+// range (invisible, never read).
+struct KeyRun {
+  int64_t j, n, k, v;
+};
+
+// The runs of keys [j0, j0 + jn) of (b, hk): one for a contiguous cache, one per page
+// touched for a paged one. Returns how many (at most jn).
+int64_t key_runs(const SdpaParams& p, int64_t b, int64_t hk, int64_t j0, int64_t jn,
+                 KeyRun* runs) {
+  if (!p.paged()) {
+    runs[0] = {0, jn, b * p.k_stride[0] + hk * p.k_stride[1] + j0 * p.k_stride[2],
+               b * p.v_stride[0] + hk * p.v_stride[1] + j0 * p.v_stride[2]};
+    return 1;
+  }
+  int64_t nr = 0;
+  for (int64_t j = 0; j < jn;) {
+    const PagedRow pr =
+        paged_key_row(p.page_indices, p.pages_per_seq, p.page_size, p.num_pages, b, j0 + j);
+    const int64_t n = min64(jn - j, p.page_size - pr.slot);
+    if (pr.page < 0) {
+      runs[nr++] = {j, n, -1, -1};
+    } else {
+      runs[nr++] = {j, n, pr.page * p.k_stride[0] + hk * p.k_stride[1] + pr.slot * p.k_stride[2],
+                    pr.page * p.v_stride[0] + hk * p.v_stride[1] + pr.slot * p.v_stride[2]};
+    }
+    j += n;
+  }
+  return nr;
+}
+
+// ---- narrow tiles (decode) ---------------------------------------------------------
+// A tile of at most kNarrow rows (decode: the heads of one GQA group) wastes most of the
+// transposed micro-kernel's vector lanes and is bound by its broadcast loads. Here K and V
+// rows are loaded as vectors instead: scores are dot products (W of them reduced at once by
+// transpose_sum), O rows accumulate V rows scaled by broadcast probabilities. Rows are
+// padded to a power of two NP2 <= W; keys go KJ = W / NP2 at a time.
+constexpr int64_t kNarrow = W < 8 ? W : 8;
+
+// lanes x of a, b: (x & h) ? a[x] + a[x + h] ... folded so the result holds a's pair sums
+// where bit h of the lane is clear and b's where it is set.
+template <int H>
+inline vf fold(vf a, vf b) {
+  vi lo, hi;
+  for (int x = 0; x < W; ++x) {
+    lo[x] = (x & H) ? W + x - H : x;
+    hi[x] = (x & H) ? W + x : x + H;
+  }
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+template <int H>
+inline void fold_level(vf* v, int n) {
+  for (int i = 0; i < n / 2; ++i) v[i] = fold<H>(v[2 * i], v[2 * i + 1]);
+}
+constexpr int bitrev(int x) {
+  int r = 0;
+  for (int b = 1; b < W; b <<= 1) r = r * 2 + ((x & b) ? 1 : 0);
+  return r;
+}
+// Lane x of the result is the sum of the lanes of v[x], x < W (v is overwritten).
+inline vf transpose_sum(vf* v) {
+  vf s[W];
+#pragma GCC unroll 16
+  for (int x = 0; x < W; ++x) s[x] = v[bitrev(x)];
+  if constexpr (W >= 16) fold_level<8>(s, 16);
+  if constexpr (W >= 8) fold_level<4>(s, 8);
+  fold_level<2>(s, 4);
+  fold_level<1>(s, 2);
+  return s[0];
+}
+
+// St[j][c] = K row j · Q row c for j < jn, c < NP2 (columns NP2.. of St are left alone);
+// kr[j] null: a hidden key, its row is 0 here.
+template <int NP2>
+void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Qr, int64_t Dp,
+                   const float* zero_row, float* St, int64_t np) {
+  constexpr int KJ = W / NP2;
+  for (int64_t j0 = 0; j0 < jn; j0 += KJ) {
+    const float* rows[KJ];
+#pragma GCC unroll 16
+    for (int u = 0; u < KJ; ++u) rows[u] = (j0 + u < jn && kr[j0 + u]) ? kr[j0 + u] : zero_row;
+    // The rows a few steps ahead: a paged or slot-major row may start a new 4 KiB page,
+    // where the hardware prefetcher stops.
+    for (int64_t u = j0 + 4 * KJ; u < min64(jn, j0 + 5 * KJ); ++u)
+      if (kr[u])
+        for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(kr[u] + d);
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int s = 0; s < W; ++s) acc[s] = vf{};
+    for (int64_t d = 0; d < D; d += W) {
+      vf kv[KJ];
+#pragma GCC unroll 16
+      for (int u = 0; u < KJ; ++u) kv[u] = loadv(rows[u] + d);
+#pragma GCC unroll 8
+      for (int c = 0; c < NP2; ++c) {
+        const vf qv = loadv(Qr + c * Dp + d);
+#pragma GCC unroll 16
+        for (int u = 0; u < KJ; ++u) acc[u * NP2 + c] += kv[u] * qv;
+      }
+    }
+    float lanes[W];
+    storev(lanes, transpose_sum(acc));
+    for (int u = 0; u < KJ && j0 + u < jn; ++u)
+      memcpy(St + (j0 + u) * np, lanes + u * NP2, NP2 * sizeof(float));
+  }
+}
+
+// Or[c][d0 .. d0 + DVC*W) = alpha[c] * Or[c][..] + sum_j P[j][c] * V row j, c < NP2.
+template <int NP2, int DVC>
+void narrow_values(int64_t d0, const float* const* vr, int64_t jn, const float* P, int64_t np,
+                   const float* alpha, float* Or, int64_t ldo) {
+  vf acc[NP2][DVC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NP2; ++c)
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) acc[c][u] = loadv(Or + c * ldo + d0 + u * W) * splat(alpha[c]);
+  for (int64_t j = 0; j < jn; ++j) {
+    if (!vr[j]) continue;  // hidden: P = 0 and never read
+    vf vv[DVC];
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) vv[u] = loadv(vr[j] + d0 + u * W);
+#pragma GCC unroll 8
+    for (int c = 0; c < NP2; ++c) {
+      const vf pc = splat(P[j * np + c]);
+#pragma GCC unroll 8
+      for (int u = 0; u < DVC; ++u) acc[c][u] += pc * vv[u];
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NP2; ++c)
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) storev(Or + c * ldo + d0 + u * W, acc[c][u]);
+}
+
+constexpr int dvc_for(int np2) { return np2 >= 8 ? 1 : (np2 >= 4 ? 2 : 4); }
+
+template <int NP2>
+void narrow_values_all(int64_t Dv, const float* const* vr, int64_t jn, const float* P,
+                       int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  constexpr int C = dvc_for(NP2);
+  int64_t d0 = 0;
+  for (; d0 + C * W <= Dv; d0 += C * W) narrow_values<NP2, C>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 < Dv; d0 += W) narrow_values<NP2, 1>(d0, vr, jn, P, np, alpha, Or, ldo);
+}
+
+int np2_for(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+
+void narrow_scores_any(int np2, int64_t D, const float* const* kr, int64_t jn, const float* Qr,
+                       int64_t Dp, const float* zero_row, float* St, int64_t np) {
+  switch (np2) {
+    case 1: return narrow_scores<1>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    case 2: return narrow_scores<2>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    case 4: return narrow_scores<(W >= 4 ? 4 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    default: return narrow_scores<(W >= 8 ? 8 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np);
+  }
+}
+void narrow_values_any(int np2, int64_t Dv, const float* const* vr, int64_t jn, const float* P,
+                       int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  switch (np2) {
+    case 1: return narrow_values_all<1>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 2: return narrow_values_all<2>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 4: return narrow_values_all<(W >= 4 ? 4 : 1)>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    default: return narrow_values_all<(W >= 8 ? 8 : 1)>(Dv, vr, jn, P, np, alpha, Or, ldo);
+  }
+}
+
+// 16-bit K and V rows of a block's runs converted to float32 rows j of Kf / Vf (zeros
+// for hidden runs: never read).
+void load_block_rows(const SdpaParams& p, const SdpaFwdBuffers& buf, const KeyRun* runs,
+                     int64_t nruns, float* Kf, float* Vf) {
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  for (int64_t r = 0; r < nruns; ++r)
+    for (int64_t j = 0; j < runs[r].n; ++j) {
+      float* kd = Kf + (runs[r].j + j) * D;
+      float* vd = Vf + (runs[r].j + j) * Dv;
+      if (runs[r].k < 0) {
+        memset(kd, 0, D * sizeof(float));
+        memset(vd, 0, Dv * sizeof(float));
+      } else {
+        load_row(buf.k, p.dtype, runs[r].k + j * p.k_stride[2], D, kd);
+        load_row(buf.v, p.dtype, runs[r].v + j * p.v_stride[2], Dv, vd);
+      }
+    }
+}
+
 // ---- forward ----------------------------------------------------------------------
 struct FwdCtx {
   const SdpaParams* p;
   const SdpaFwdBuffers* buf;
   Arena arena;
+  SegBlocks segs;
   int64_t tiles;  // per (b, hk)
+  // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
+  // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
+  // state in part; the share that finishes last (done[tile] counts them) merges them.
+  int64_t nsplit = 1;
+  int64_t part_floats = 0;  // per share: m, l (kBq each), O (kBq * Dv)
+  float* part = nullptr;
+  int64_t* done = nullptr;
 };
+
+// The softmax state of one tile: row maxima m, sums l, unnormalized O (narrow: rows of Dv,
+// else transposed [Dv][np]).
+void merge_shares(const FwdCtx& ctx, int64_t tile_id, const Tile& t, bool narrow, float* m,
+                  float* l, float* O) {
+  const int64_t Dv = ctx.p->head_dim_v, np = t.np, ns = ctx.nsplit;
+  const float* base = ctx.part + tile_id * ns * ctx.part_floats;
+  for (int64_t c = 0; c < t.n; ++c) {
+    float M = -INFINITY;
+    bool nan = false;
+    for (int64_t s = 0; s < ns; ++s) {
+      const float ms = base[s * ctx.part_floats + c];
+      nan |= ms != ms;
+      M = ms > M ? ms : M;
+    }
+    if (nan) M = NAN;
+    const float mu = M == -INFINITY ? 0.0f : M;
+    float lsum = 0.0f;
+    for (int64_t d = 0; d < Dv; ++d) O[narrow ? c * Dv + d : d * np + c] = 0.0f;
+    for (int64_t s = 0; s < ns; ++s) {
+      const float* sh = base + s * ctx.part_floats;
+      const float f = expf(sh[c] - mu);  // 0 for a share that saw nothing
+      if (f == 0.0f) continue;
+      lsum += sh[kBq + c] * f;
+      const float* Os = sh + 2 * kBq;
+      for (int64_t d = 0; d < Dv; ++d) {
+        const int64_t x = narrow ? c * Dv + d : d * np + c;
+        O[x] += Os[x] * f;
+      }
+    }
+    m[c] = M;
+    l[c] = nan ? NAN : lsum;
+  }
+}
 
 void fwd_task(void* vctx, int64_t task, int participant) {
   const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
@@ -355,7 +700,8 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group();
   const int64_t BH = p.batch * p.heads_kv;
   // Heaviest tiles (latest queries under a causal band) first.
-  const int64_t tile = ctx.tiles - 1 - task / BH, bh = task % BH;
+  const int64_t share = task % ctx.nsplit, tile_task = task / ctx.nsplit;
+  const int64_t tile = ctx.tiles - 1 - tile_task / BH, bh = tile_task % BH;
 
   Carver cv{ctx.arena.base + ctx.arena.per * participant};
   Tile t;
@@ -367,6 +713,8 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   t.col_h = cv.ints(kBq);
   t.kf = cv.ints(kBq);
   t.kl = cv.ints(kBq);
+  t.qseg = cv.i32(kBq);
+  KeyRun* runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBk));
   float* Qt = cv.floats(D * kBq);
   float* St = cv.floats(kBk * kBq);
   float* Ot = cv.floats(Dv * kBq);
@@ -378,40 +726,81 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   float* tmp = cv.floats(max64(D, Dv));
   setup_tile(p, &t);
   const int64_t np = t.np;
+  // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
+  const bool narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
+  const int np2 = np2_for(t.n);
+  float* Qr = cv.floats(W * D);
+  float* Or = cv.floats(W * Dv);
+  float* zero_row = cv.floats(D);
+  const float** kr = reinterpret_cast<const float**>(cv.ints(kBk));
+  const float** vr = reinterpret_cast<const float**>(cv.ints(kBk));
 
   for (int64_t c = 0; c < np; ++c) {
-    bool sink = p.sinks && c < t.n && t.col_i[c] < t.qlen;
+    bool sink = share == 0 && p.sinks && c < t.n && t.col_i[c] < t.qlen;
     // A sink is one more softmax column with logit sinks[h] and no value.
     m[c] = sink ? p.sinks[t.b * p.sinks_batch_stride + t.col_h[c]] : -INFINITY;
     l[c] = sink ? 1.0f : 0.0f;
   }
-  if (t.KL > t.KF) {
-    pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
-    memset(Ot, 0, Dv * np * sizeof(float));
+  float* O = narrow ? Or : Ot;
+  memset(O, 0, Dv * (narrow ? np2 : np) * sizeof(float));
+  // This task's share of the tile's key blocks.
+  const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + kBk - 1) / kBk : 0;
+  const int64_t ka = t.KF + share * nblk / ctx.nsplit * kBk;
+  const int64_t kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
+  if (kb > ka) {
+    if (narrow) {
+      pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, D, tmp);
+      memset(zero_row, 0, D * sizeof(float));
+      memset(St, 0, kBk * np * sizeof(float));  // the padding columns stay finite
+    } else {
+      pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
+    }
     const bool f32 = p.dtype == DType::kF32;
-    const int64_t kbase = t.b * p.k_stride[0] + t.hk * p.k_stride[1];
-    const int64_t vbase = t.b * p.v_stride[0] + t.hk * p.v_stride[1];
-    for (int64_t j0 = t.KF; j0 < t.KL; j0 += kBk) {
-      const int64_t jn = min64(kBk, t.KL - j0);
-      const float *kp, *vp;
-      int64_t krs, vks;
-      if (f32) {  // K and V rows in place
-        kp = static_cast<const float*>(buf.k) + kbase + j0 * p.k_stride[2];
-        vp = static_cast<const float*>(buf.v) + vbase + j0 * p.v_stride[2];
-        krs = p.k_stride[2];
-        vks = p.v_stride[2];
-      } else {
-        for (int64_t j = 0; j < jn; ++j) {
-          load_row(buf.k, p.dtype, kbase + (j0 + j) * p.k_stride[2], D, Kf + j * D);
-          load_row(buf.v, p.dtype, vbase + (j0 + j) * p.v_stride[2], Dv, Vf + j * Dv);
+    for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
+      const int64_t jn = min64(kBk, kb - j0);
+      const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
+      if (seg == SegCover::kNone) continue;  // no query of the tile meets a key of the block
+      const int64_t nruns = key_runs(p, t.b, t.hk, j0, jn, runs);
+      bool hidden_runs = false;
+      for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
+      // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
+      // scratch (zeros for hidden runs) and used as one run.
+      if (narrow) {
+        if (!f32) load_block_rows(p, buf, runs, nruns, Kf, Vf);
+        for (int64_t r = 0; r < nruns; ++r)
+          for (int64_t j = 0; j < runs[r].n; ++j) {
+            const int64_t jj = runs[r].j + j;
+            if (runs[r].k < 0) {
+              kr[jj] = vr[jj] = nullptr;
+            } else if (f32) {
+              kr[jj] = static_cast<const float*>(buf.k) + runs[r].k + j * p.k_stride[2];
+              vr[jj] = static_cast<const float*>(buf.v) + runs[r].v + j * p.v_stride[2];
+            } else {
+              kr[jj] = Kf + jj * D;
+              vr[jj] = Vf + jj * Dv;
+            }
+          }
+        narrow_scores_any(np2, D, kr, jn, Qr, D, zero_row, St, np);
+        for (int64_t j = 0; j < jn; ++j)  // V rows in flight during the softmax
+          if (vr[j])
+            for (int64_t d = 0; d < Dv; d += 64 / sizeof(float)) __builtin_prefetch(vr[j] + d);
+      } else if (f32) {
+        const float* kp = static_cast<const float*>(buf.k);
+        for (int64_t r = 0; r < nruns; ++r) {
+          if (runs[r].k < 0) continue;
+          gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, Qt, np, St + runs[r].j * np,
+               np, false);
         }
-        kp = Kf;
-        vp = Vf;
-        krs = D;
-        vks = Dv;
+      } else {
+        load_block_rows(p, buf, runs, nruns, Kf, Vf);
+        gemm(jn, np, D, Kf, D, 1, Qt, np, St, np, false);
       }
-      gemm(jn, np, D, kp, krs, 1, Qt, np, St, np, false);  // S^T = K · Q^T
-      scale_and_mask(p, t, j0, jn, St);
+      scale_and_mask(p, t, j0, jn, St, seg, nullptr);
+      if (hidden_runs)
+        for (int64_t r = 0; r < nruns; ++r)
+          if (runs[r].k < 0)
+            for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x)
+              St[x] = -INFINITY;
       for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
         vf mx = splat(-INFINITY);
         for (int64_t j = 0; j < jn; ++j) mx = vmax(mx, loadv(St + j * np + c0));
@@ -429,11 +818,33 @@ void fwd_task(void* vctx, int64_t task, int participant) {
         storev(m + c0, mn);
         storev(alpha + c0, al);
       }
+      if (narrow) {  // O = alpha * O + P · V
+        narrow_values_any(np2, Dv, vr, jn, St, np, alpha, Or, Dv);
+        continue;
+      }
       for (int64_t d = 0; d < Dv; ++d)
         for (int64_t c0 = 0; c0 < np; c0 += W)
           storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
-      gemm(Dv, np, jn, vp, 1, vks, St, np, Ot, np, true);  // O^T += V^T · P^T
+      // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
+      if (f32) {
+        const float* vp = static_cast<const float*>(buf.v);
+        for (int64_t r = 0; r < nruns; ++r) {
+          if (runs[r].k < 0) continue;
+          gemm(Dv, np, runs[r].n, vp + runs[r].v, 1, p.v_stride[2], St + runs[r].j * np, np, Ot,
+               np, true);
+        }
+      } else {
+        gemm(Dv, np, jn, Vf, 1, Dv, St, np, Ot, np, true);
+      }
     }
+  }
+  if (ctx.nsplit > 1) {  // leave this share's state; the last share of the tile merges
+    float* mine = ctx.part + task * ctx.part_floats;
+    memcpy(mine, m, t.n * sizeof(float));
+    memcpy(mine + kBq, l, t.n * sizeof(float));
+    memcpy(mine + 2 * kBq, O, Dv * (narrow ? np2 : np) * sizeof(float));
+    if (__atomic_add_fetch(&ctx.done[tile_task], 1, __ATOMIC_ACQ_REL) != ctx.nsplit) return;
+    merge_shares(ctx, tile_task, t, narrow, m, l, O);
   }
   // Finalize: out = O / l, lse = m + log l; nothing visible (l == 0) -> 0 and -inf. A NaN
   // score made l NaN: the row is NaN (l > 0 would call it empty).
@@ -444,7 +855,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     const bool live = i < t.qlen && l[c] != 0.0f;
     *lse = live ? m[c] + logf(l[c]) : -INFINITY;
     if (live && t.KL > t.KF) {
-      for (int64_t d = 0; d < Dv; ++d) tmp[d] = Ot[d * np + c];
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? Or[c * Dv + d] : Ot[d * np + c];
       store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
     } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
@@ -454,7 +865,6 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     }
   }
 }
-
 // ---- backward ---------------------------------------------------------------------
 struct BwdCtx {
   const SdpaParams* p;
@@ -463,6 +873,7 @@ struct BwdCtx {
   int64_t nchunk, chunk;  // key chunks per (b, hk) and their length
   float* dq_part;         // [nchunk][B][Hk][Lq * G][Dp] float32
   int64_t Dp, Dvp;
+  SegBlocks segs;
 };
 
 void bwd_task(void* vctx, int64_t task, int participant) {
@@ -488,6 +899,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   t.col_h = cv.ints(kBq);
   t.kf = cv.ints(kBq);
   t.kl = cv.ints(kBq);
+  t.qseg = cv.i32(kBq);
   float* Kc = cv.floats(ctx.chunk * Dp);
   float* Vc = cv.floats(ctx.chunk * Dvp);
   float* dKc = cv.floats(ctx.chunk * Dp);
@@ -498,6 +910,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   float* dOr = cv.floats(kBq * Dvp);
   float* St = cv.floats(kBk * kBq);
   float* dPt = cv.floats(kBk * kBq);
+  float* dcap = p.logits_soft_cap > 0 ? cv.floats(kBk * kBq) : nullptr;
   float* lse_use = cv.floats(kBq);
   float* delta = cv.floats(kBq);
   float* tmp = cv.floats(2 * max64(Dp, Dvp));
@@ -521,6 +934,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     setup_tile(p, &t);
     const int64_t js = max64(t.KF, k0), je = min64(t.KL, k1e);
     if (je <= js) continue;
+    if (seg_cover(ctx.segs, b, js, je - js, t.qlo, t.qhi) == SegCover::kNone) continue;
     const int64_t np = t.np;
     pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, Dp, tmp);
     pack_rows(p, t, buf.dout, p.o_stride, Dv, dOt, dOr, Dvp, tmp);
@@ -539,18 +953,22 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     }
     for (int64_t j0 = js; j0 < je; j0 += kBk) {
       const int64_t jn = min64(kBk, je - j0);
+      const SegCover seg = seg_cover(ctx.segs, b, j0, jn, t.qlo, t.qhi);
+      if (seg == SegCover::kNone) continue;
       const float* kb = Kc + (j0 - k0) * Dp;
       const float* vb = Vc + (j0 - k0) * Dvp;
       gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
-      scale_and_mask(p, t, j0, jn, St);
+      scale_and_mask(p, t, j0, jn, St, seg, dcap);
       gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
       for (int64_t j = 0; j < jn; ++j)
         for (int64_t c0 = 0; c0 < np; c0 += W) {
           // P <= 1: the recomputed score can round above the forward's max near 1e30.
           vf pr = vexp(clamp_nonpositive(loadv(St + j * np + c0) - loadv(lse_use + c0)));
           storev(St + j * np + c0, pr);
-          // dS selected where P = 0: a hidden key's dP may be NaN, and 0 * NaN is NaN.
+          // dS (through the cap's derivative) selected where P = 0: a hidden key's dP or
+          // cap derivative may be NaN, and 0 * NaN is NaN.
           vf ds = pr * (loadv(dPt + j * np + c0) - loadv(delta + c0));
+          if (dcap) ds *= loadv(dcap + j * np + c0);
           storev(dPt + j * np + c0, select(pr == splat(0.0f), splat(0.0f), ds));
         }
       // dV += P^T · dO, dK += dS^T · Q, dQ += dS · K (scale applied at the end)
@@ -600,13 +1018,39 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   ctx.buf = &buf;
   ctx.tiles = (rows + kBq - 1) / kBq;
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + floats_bytes(D * kBq) +
+  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
+               (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(W * D) + floats_bytes(W * Dv) +
+               floats_bytes(D) + 2 * (size_t)round_up(kBk * 8, 64) + floats_bytes(D * kBq) +
                floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) + floats_bytes(kBk * D) +
                floats_bytes(kBk * Dv) + 3 * floats_bytes(kBq) + floats_bytes(max64(D, Dv));
   const int parts = pool.participants();
   if (!arena_alloc(&ctx.arena, per, parts)) return "jax_sdpa cpu: out of memory (forward scratch)";
-  pool.parallel_for(p.batch * p.heads_kv * ctx.tiles, fwd_task, &ctx);
+  if (!seg_blocks_build(p, &ctx.segs)) {
+    free(ctx.arena.base);
+    return "jax_sdpa cpu: out of memory (segment ranges)";
+  }
+  const int64_t tile_tasks = p.batch * p.heads_kv * ctx.tiles;
+  if (parts > 1 && tile_tasks < 4 * parts) {
+    ctx.nsplit = max64(1, min64(min64((4 * parts + tile_tasks - 1) / tile_tasks,
+                                      p.len_kv / kSplitKeys), 16));
+  }
+  if (ctx.nsplit > 1) {
+    ctx.part_floats = 2 * kBq + kBq * Dv;
+    ctx.part = static_cast<float*>(malloc(tile_tasks * ctx.nsplit * ctx.part_floats * 4));
+    ctx.done = static_cast<int64_t*>(calloc(tile_tasks, sizeof(int64_t)));
+    if (!ctx.part || !ctx.done) {
+      free(ctx.part);
+      free(ctx.done);
+      ctx.part = nullptr;
+      ctx.done = nullptr;
+      ctx.nsplit = 1;  // no room for the shares: unsplit
+    }
+  }
+  pool.parallel_for(tile_tasks * ctx.nsplit, fwd_task, &ctx);
   free(ctx.arena.base);
+  free(ctx.segs.lo);
+  free(ctx.part);
+  free(ctx.done);
   return nullptr;
 }
 
@@ -637,7 +1081,8 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
   ctx.dq_part = static_cast<float*>(calloc(ctx.nchunk * part_floats + 1, sizeof(float)));
   if (!ctx.dq_part) return "jax_sdpa cpu: out of memory (dq accumulator)";
   const int64_t Dp = ctx.Dp, Dvp = ctx.Dvp;
-  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + 2 * floats_bytes(ctx.chunk * Dp) +
+  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
+               floats_bytes(kBk * kBq) + 2 * floats_bytes(ctx.chunk * Dp) +
                2 * floats_bytes(ctx.chunk * Dvp) + floats_bytes(D * kBq) +
                floats_bytes(kBq * Dp) + floats_bytes(Dv * kBq) + floats_bytes(kBq * Dvp) +
                2 * floats_bytes(kBk * kBq) + 2 * floats_bytes(kBq) +
@@ -646,10 +1091,16 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (backward scratch)";
   }
+  if (!seg_blocks_build(p, &ctx.segs)) {
+    free(ctx.arena.base);
+    free(ctx.dq_part);
+    return "jax_sdpa cpu: out of memory (segment ranges)";
+  }
   pool.parallel_for(ctx.nchunk * BH, bwd_task, &ctx);
   pool.parallel_for(p.batch * p.heads_q, dq_task, &ctx);
   free(ctx.arena.base);
   free(ctx.dq_part);
+  free(ctx.segs.lo);
   return nullptr;
 }
 

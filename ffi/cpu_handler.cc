@@ -1,4 +1,5 @@
-// XLA FFI handlers of the native CPU kernel: jax_sdpa_cpu_fwd / jax_sdpa_cpu_bwd.
+// XLA FFI handlers of the native CPU kernel: jax_sdpa_cpu_fwd / jax_sdpa_cpu_bwd and the
+// paged forward jax_sdpa_cpu_paged_fwd (pages read in place).
 // Operands and attributes as in docs/ffi_contract.md; everything is checked by
 // unpack_forward / unpack_backward before the kernel touches memory.
 #include <cstring>
@@ -14,7 +15,9 @@ namespace {
 
 // The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
 // registration below declares them, the handlers refuse every other.
-constexpr uint32_t kServedFeatures = kNoFeatures;
+constexpr uint32_t kServedFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
+// The paged forward (pages read in place; a paged call has no segment ids).
+constexpr uint32_t kPagedServedFeatures = kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
 
@@ -53,6 +56,22 @@ ffi::Error CpuBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Any
   return ffi::Error::Success();
 }
 
+ffi::Error CpuPagedFwd(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                       ffi::AnyBuffer page_indices, ffi::AnyBuffer kv_lengths,
+                       ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, SdpaAttrs a) {
+  SdpaParams p;
+  SdpaFwdBuffers buf;
+  if (auto e = unpack_paged_forward(a, q, k_pages, v_pages, page_indices, kv_lengths, sinks,
+                                    *out, *lse, &p, &buf);
+      e.failure())
+    return e;
+  if (auto e = refuse_unserved(p, kPagedServedFeatures, "cpu paged"); e.failure()) return e;
+  poison_host_outputs({&*out, &*lse});
+  if (const char* err = cpu::sdpa_forward(p, buf)) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_sdpa
 
@@ -62,5 +81,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_fwd, jax_sdpa::CpuFwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_bwd, jax_sdpa::CpuBwd,
                               jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_paged_fwd, jax_sdpa::CpuPagedFwd,
+                              jax_sdpa::bind_sdpa_paged_fwd(xla::ffi::Ffi::Bind()));
+
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_fwd", jax_sdpa_cpu_fwd, jax_sdpa::kServedFeatures);
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_bwd", jax_sdpa_cpu_bwd, jax_sdpa::kServedFeatures);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_paged_fwd", jax_sdpa_cpu_paged_fwd,
+                             jax_sdpa::kPagedServedFeatures);

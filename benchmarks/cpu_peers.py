@@ -1,0 +1,208 @@
+"""jax_sdpa on the CPU beside the CPU attention operators of its peers, in one run:
+jax.nn.dot_product_attention (xla), torch's F.scaled_dot_product_attention (its CPU flash
+kernel) and MLX's mx.fast.scaled_dot_product_attention on the CPU, with this machine's read
+bandwidth measured in the same run (decode rows report GB/s of K and V read).
+
+The peers are not dependencies: run it from a benchmark venv that has them, e.g.
+  python3.11 -m venv --system-site-packages /tmp/bench && /tmp/bench/bin/pip install torch
+(mlx[cpu] comes with the test extras) with jax_sdpa importable. Each row times every peer
+interleaved (rounds of one call each), median; the load average is recorded per row.
+  python benchmarks/cpu_peers.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sdpa
+from jax_sdpa import _ext
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # pragma: no cover - optional peer
+    torch = None
+try:
+    import mlx.core as mx
+except ImportError:  # pragma: no cover - optional peer
+    mx = None
+
+
+def read_bandwidth_gbs(mib=512, reps=5):
+    """This machine's read bandwidth now: numpy's max over a buffer far above the caches, on
+    every core (one thread a core through numpy's own threading is not given, so each core
+    reads its part in a thread)."""
+    import threading
+
+    a = np.ones(mib * 1024 * 1024 // 4, np.float32)
+    parts = np.array_split(a, os.cpu_count() or 1)
+    best = float("inf")
+    for _ in range(reps):
+        th = [threading.Thread(target=p.max) for p in parts]
+        t0 = time.perf_counter()
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def _jax_fn(impl, causal, grad):
+    def attn(q, k, v):
+        if impl == "jax.nn:xla":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+        return jax_sdpa.dot_product_attention(q, k, v, is_causal=causal)
+
+    if not grad:
+        return jax.jit(attn)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)), argnums=(0, 1, 2)))
+
+
+def _row_fns(row, rng):
+    """{peer: zero-argument callable that runs one call and waits for it}."""
+    b, hq, hk, lq, lk, d, dtype, causal, grad = (row[x] for x in (
+        "b", "hq", "hk", "lq", "lk", "d", "dtype", "causal", "grad"))
+    # jax.nn's layout: [B, L, H, D]
+    qn = rng.standard_normal((b, lq, hq, d)).astype(np.float32)
+    kn = rng.standard_normal((b, lk, hk, d)).astype(np.float32)
+    vn = rng.standard_normal((b, lk, hk, d)).astype(np.float32)
+    jdt = jnp.dtype(dtype)
+    jq, jk, jv = (jnp.asarray(x, jdt) for x in (qn, kn, vn))
+    fns = {}
+    for peer in ("jax_sdpa", "jax.nn:xla"):
+        if peer == "jax.nn:xla" and row.get("skip_xla"):
+            continue
+        f = _jax_fn(peer, causal, grad)
+        fns[peer] = (lambda f=f: jax.block_until_ready(f(jq, jk, jv)))
+    if torch is not None:
+        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        tq, tk, tv = (torch.from_numpy(x.transpose(0, 2, 1, 3).copy()).to(tdt)
+                      for x in (qn, kn, vn))
+        if grad:
+            tq, tk, tv = (x.requires_grad_() for x in (tq, tk, tv))
+
+            def t_run():
+                out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
+                                                     enable_gqa=hq != hk)
+                out.sum().backward()
+        else:
+            def t_run():
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
+                                                   enable_gqa=hq != hk)
+        fns["torch"] = t_run
+    if mx is not None and lq * lk <= 2048 * 2048:  # MLX's CPU path: tens of seconds past that
+        mdt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+        mq, mk, mv = (mx.array(x.transpose(0, 2, 1, 3)).astype(mdt) for x in (qn, kn, vn))
+        scale = 1.0 / np.sqrt(d)
+        kw = dict(scale=scale, mask="causal") if causal else dict(scale=scale)
+
+        def m_attn(q, k, v):
+            return mx.fast.scaled_dot_product_attention(q, k, v, **kw)
+
+        if grad:
+            g = mx.grad(lambda q, k, v: m_attn(q, k, v).sum(), argnums=(0, 1, 2))
+            fns["mlx"] = lambda: mx.eval(g(mq, mk, mv))
+        else:
+            fns["mlx"] = lambda: mx.eval(m_attn(mq, mk, mv))
+        mx.set_default_device(mx.cpu)
+    return fns
+
+
+def _rows(quick):
+    rows = []
+
+    def add(name, **kw):
+        base = dict(b=1, hq=8, hk=8, lq=1, lk=1, d=64, dtype="float32", causal=False, grad=False)
+        base.update(kw)
+        base["name"] = name
+        rows.append(base)
+
+    prefill = [(1024, False), (4096, False), (4096, True)] if not quick else [(1024, False)]
+    for length, causal in prefill:
+        for grad in (False, True):
+            add(f"prefill B1 H8 D64 L{length}{' causal' if causal else ''} "
+                f"{'fwd+bwd' if grad else 'fwd'}", lq=length, lk=length, causal=causal,
+                grad=grad, skip_xla=length > 4096)
+    if not quick:
+        for grad in (False, True):
+            add(f"prefill B1 H8/KV2 D128 L2048 GQA causal {'fwd+bwd' if grad else 'fwd'}",
+                hk=2, d=128, lq=2048, lk=2048, causal=True, grad=grad)
+            add(f"prefill B1 H8 D64 L2048 bf16 {'fwd+bwd' if grad else 'fwd'}", lq=2048,
+                lk=2048, dtype="bfloat16", grad=grad)
+        add("SD3-like B1 H24 D64 L4096 fwd", hq=24, hk=24, lq=4096, lk=4096)
+    decode = [(1024, 1), (4096, 1), (16384, 1), (32768, 1), (4096, 8)] if not quick else \
+        [(1024, 1), (4096, 1)]
+    for lk, b in decode:
+        add(f"decode B{b} H32/KV8 D128 Lk{lk}", b=b, hq=32, hk=8, d=128, lk=lk)
+    if not quick:
+        add("decode B1 H32/KV8 D128 Lk16384 bf16", hq=32, hk=8, d=128, lk=16384,
+            dtype="bfloat16")
+        add("decode B1 H8/KV2 D64 Lk1024", hq=8, hk=2, d=64, lk=1024)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per row and peer")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    cpu = _ext.module("_sdpa_cpu")
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=platform.machine(), cpus=os.cpu_count(),
+                isa=cpu.isa() if cpu else None, threads=cpu.num_threads() if cpu else None,
+                jax=jax.__version__, torch=getattr(torch, "__version__", None),
+                torch_threads=torch.get_num_threads() if torch else None,
+                mlx=getattr(mx, "__version__", None), load_start=os.getloadavg())
+    meta["read_bandwidth_gbs_start"] = read_bandwidth_gbs()
+    print(f"read bandwidth {meta['read_bandwidth_gbs_start']:.1f} GB/s, load "
+          f"{meta['load_start'][0]:.1f}", flush=True)
+    results = []
+    for row in _rows(a.quick):
+        fns = _row_fns(row, rng)
+        for f in fns.values():
+            f()  # compile / warm
+        times = {p: [] for p in fns}
+        load0 = os.getloadavg()[0]
+        start = time.perf_counter()
+        rounds = 0
+        while rounds < 3 or (time.perf_counter() - start < a.min_time * len(fns)
+                             and rounds < 200):
+            for p, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                times[p].append(time.perf_counter() - t0)
+            rounds += 1
+        med = {p: statistics.median(t) for p, t in times.items()}
+        item = 2 if row["dtype"] == "bfloat16" else 4
+        kv_bytes = 2 * row["b"] * row["hk"] * row["lk"] * row["d"] * item
+        out = dict(row, median_s=med, rounds=rounds, load=load0)
+        if row["lq"] == 1:
+            out["kv_read_gbs"] = {p: kv_bytes / t / 1e9 for p, t in med.items()}
+        results.append(out)
+        best_peer = min((t, p) for p, t in med.items() if p != "jax_sdpa")
+        print(f"{row['name']:48s} " + "  ".join(f"{p} {t * 1e3:8.3f} ms" for p, t in med.items())
+              + f"  | jax_sdpa / best peer ({best_peer[1]}) {med['jax_sdpa'] / best_peer[0]:.2f}"
+              f"  (load {load0:.1f})", flush=True)
+    meta["read_bandwidth_gbs_end"] = read_bandwidth_gbs()
+    meta["load_end"] = os.getloadavg()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(meta=meta, rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

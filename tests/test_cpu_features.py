@@ -1,0 +1,365 @@
+"""The cpu kernel's packed sequences (segment ids) and logit soft-capping, forward and backward,
+through direct calls of its FFI targets (jax_sdpa_cpu_fwd / _bwd) against float64 oracles:
+jax_sdpa.oracle with the segments written as the equivalent bool mask, and a dense numpy
+soft-cap oracle here. Fresh random inputs, odd shapes, GQA, segments of length 1, unsorted ids,
+rows that see nothing; outputs are poisoned by the handlers (tests/conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sdpa import _ext, oracle
+from jax_sdpa.primitives import ffi_call_args
+
+pytestmark = pytest.mark.skipif(_ext.module("_sdpa_cpu") is None,
+                                reason="the cpu kernel is not built into this installation")
+
+RTOL = 1e-5
+GRAD_RTOL = 3e-5
+
+
+def _normal(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _call_fwd(q, k, v, **kw):
+    operands, attrs = ffi_call_args(**kw)
+    results = (jax.ShapeDtypeStruct(q.shape[:3] + (v.shape[3],), q.dtype),
+               jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    call = jax.ffi.ffi_call("jax_sdpa_cpu_fwd", results)
+    out, lse = jax.jit(lambda *a: call(*a, **attrs))(q, k, v, *operands)
+    return np.asarray(out), np.asarray(lse)
+
+
+def _call_bwd(q, k, v, out, lse, dout, **kw):
+    operands, attrs = ffi_call_args(**kw)
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = jax.ffi.ffi_call("jax_sdpa_cpu_bwd", results)
+    grads = jax.jit(lambda *a: call(*a, **attrs))(q, k, v, out, lse, dout, *operands)
+    return [np.asarray(g) for g in grads]
+
+
+def _rel(got, want):
+    return oracle.max_rel_error(got, want)
+
+
+def _segments(rng, b, length, kind):
+    """int32 [b, length] segment ids: sorted packing with random lengths (some of length 1),
+    or unsorted random ids."""
+    if kind == "unsorted":
+        return rng.integers(0, 3, size=(b, length)).astype(np.int32)
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, length), size=min(4, length - 1), replace=False))
+        ids = np.zeros(length, np.int32)
+        for c in cuts:
+            ids[c:] += 1
+        ids[-1] = ids[-2] + 1 if length > 1 else 0  # a segment of length 1 at the end
+        rows.append(ids + 7)  # ids need not start at 0
+    return np.stack(rows)
+
+
+def _segment_mask(q_ids, kv_ids, hq):
+    """[B, Hq, Lq, Lk] bool: the segments as the equivalent dense mask."""
+    same = q_ids[:, :, None] == kv_ids[:, None, :]
+    return np.broadcast_to(same[:, None], (q_ids.shape[0], hq) + same.shape[1:])
+
+
+SEG_SHAPES = [  # b, hq, hk, lq, lk, d
+    (2, 4, 2, 37, 37, 16),
+    (1, 3, 1, 130, 130, 32),
+    (2, 2, 2, 70, 201, 8),
+]
+
+
+@pytest.mark.parametrize("kind", ["sorted", "unsorted"])
+@pytest.mark.parametrize("shape", SEG_SHAPES, ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_forward_and_backward(shape, kind, causal, rng):
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    qs = _segments(rng, b, lq, kind)
+    ks = qs.copy() if lq == lk else _segments(rng, b, lk, kind)
+    if lq != lk:
+        qs[0, : lq // 3] = -5  # queries whose segment no key has: nothing to attend
+    kvl = np.array([lk - 3] + [lk] * (b - 1), np.int32)
+    dense = _segment_mask(qs, ks, hq)
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, q_segment_ids=qs, kv_segment_ids=ks)
+    ow = dict(kv_lengths=kvl, mask=dense)
+    if causal:
+        kw.update(window_right=0, bottom_right=True)
+        ow.update(window_right=0, bottom_right=True)
+    out, lse = _call_fwd(q, k, v, **kw)
+    want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                    v.astype(np.float64), **ow)
+    assert _rel(out, want) <= RTOL
+    fin = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-4)
+    dout = _normal(rng, *out.shape)
+    grads = _call_bwd(q, k, v, out, lse, dout, **kw)
+    wg = oracle.backward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                         dout.astype(np.float64), **ow)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert _rel(g, wg[name]) <= GRAD_RTOL, name
+
+
+def test_segments_with_mask_sinks_lengths_window_bf16(rng):
+    """Segments ANDed with a bool mask, a window, q/kv lengths, sinks; bfloat16 inputs."""
+    b, hq, hk, lq, lk, d = 2, 4, 1, 90, 90, 24
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
+    qs = _segments(rng, b, lq, "sorted")
+    mask = rng.random((b, 1, lq, lk)) < 0.7
+    sinks = _normal(rng, 1, hq)
+    ql = np.array([lq - 5, lq], np.int32)
+    kvl = np.array([lk, lk - 11], np.int32)
+    kw = dict(scale=0.3, window_left=20, window_right=5, q_lengths=ql, kv_lengths=kvl,
+              sinks=sinks, q_segment_ids=qs, kv_segment_ids=qs)
+    dense = mask & _segment_mask(qs, qs, hq)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    out, lse = _call_fwd(bf(q), bf(k), bf(v), mask=jnp.asarray(mask), **kw)
+    want, _ = oracle.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                             scale=0.3, mask=dense, sinks=sinks.astype(np.float64), q_lengths=ql,
+                             kv_lengths=kvl, window_left=20, window_right=5)
+    assert _rel(out.astype(np.float32), want) <= oracle.LOW_PRECISION_FLOOR["bfloat16"]
+
+
+def test_nan_key_of_another_segment_never_reaches_a_row(rng):
+    b, hq, hk, l, d = 1, 2, 1, 64 + 9, 8
+    q, k, v = _normal(rng, b, hq, l, d), _normal(rng, b, hk, l, d), _normal(rng, b, hk, l, d)
+    qs = np.zeros((b, l), np.int32)
+    qs[:, 40:] = 1
+    k[0, 0, 45] = np.nan  # segment 1: rows 40.. are NaN, rows ..39 never see it
+    kw = dict(scale=0.25, q_segment_ids=qs, kv_segment_ids=qs)
+    out, _ = _call_fwd(q, k, v, **kw)
+    assert np.isfinite(out[0, :, :40]).all()
+    assert np.isnan(out[0, :, 40:]).all()
+    dout = _normal(rng, *out.shape)
+    k0 = k.copy()
+    k0[0, 0, 45] = 0.0
+    out0, lse0 = _call_fwd(q, k0, v, **kw)
+    np.testing.assert_allclose(out[0, :, :40], out0[0, :, :40], rtol=0, atol=1e-6)
+
+
+def test_segment_blocks_that_never_meet_cost_nothing_but_still_write(rng):
+    """Every output is written when whole key blocks are skipped (poisoned outputs), and a
+    packed call equals the per-segment calls."""
+    b, hq, hk, seg, d = 1, 2, 2, 128, 16
+    n = 4
+    l = n * seg
+    q, k, v = _normal(rng, b, hq, l, d), _normal(rng, b, hk, l, d), _normal(rng, b, hk, l, d)
+    ids = np.repeat(np.arange(n, dtype=np.int32), seg)[None]
+    kw = dict(scale=0.25, q_segment_ids=ids, kv_segment_ids=ids)
+    out, lse = _call_fwd(q, k, v, **kw)
+    dout = _normal(rng, *out.shape)
+    dq, dk, dv = _call_bwd(q, k, v, out, lse, dout, **kw)
+    for s in range(n):
+        sl = slice(s * seg, (s + 1) * seg)
+        o1, l1 = _call_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=0.25)
+        g1 = _call_bwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], o1, l1, dout[:, :, sl], scale=0.25)
+        np.testing.assert_allclose(out[:, :, sl], o1, rtol=0, atol=2e-6)
+        for got, want in zip((dq, dk, dv), g1):
+            np.testing.assert_allclose(got[:, :, sl], want, rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------
+# soft-capping: a dense float64 oracle of the contract (cap before the additive mask)
+
+def _softcap_oracle(q, k, v, dout, *, scale, cap, bias=None, sinks=None, causal=False):
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    g = q.shape[1] // k.shape[1]
+    kf, vf = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    x = scale * np.einsum("bhid,bhjd->bhij", q, kf)
+    t = np.tanh(x / cap)
+    s = cap * t
+    if bias is not None:
+        s = s + bias
+    lq, lk = q.shape[2], k.shape[2]
+    vis = np.ones((lq, lk), bool)
+    if causal:
+        vis = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + (lk - lq)
+    s = np.where(vis, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks[None, :, None, None])
+    p = np.exp(s - m)
+    tot = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        tot = tot + np.exp(sinks[None, :, None, None] - m)
+    p = p / tot
+    out = np.einsum("bhij,bhjd->bhid", p, vf)
+    lse = (m + np.log(tot))[..., 0]
+    dp = np.einsum("bhid,bhjd->bhij", dout, vf)
+    delta = (p * dp).sum(-1, keepdims=True)
+    ds = p * (dp - delta) * (1 - t * t)
+    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kf)
+    b, hk = k.shape[:2]
+    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q).reshape(b, hk, g, lk, -1).sum(2)
+    dv = np.einsum("bhij,bhid->bhjd", p, dout).reshape(b, hk, g, lk, -1).sum(2)
+    return out, lse, (dq, dk, dv)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 33, 47, 16), (1, 2, 1, 1, 130, 64),
+                                   (1, 8, 2, 70, 70, 40)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_soft_cap_forward_and_backward(shape, with_bias, rng):
+    b, hq, hk, lq, lk, d = shape
+    # large logits, so that the cap matters (tanh saturates for some)
+    q = 3 * _normal(rng, b, hq, lq, d)
+    k, v = _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    cap = float(rng.uniform(2.0, 8.0))
+    scale = 1 / np.sqrt(d)
+    bias = _normal(rng, b, hq, lq, lk) if with_bias else None
+    sinks = _normal(rng, 1, hq)
+    causal = lq > 1
+    kw = dict(scale=scale, logits_soft_cap=cap, sinks=sinks,
+              mask=None if bias is None else jnp.asarray(bias))
+    if causal:
+        kw.update(window_right=0, bottom_right=True)
+    out, lse = _call_fwd(q, k, v, **kw)
+    dout = _normal(rng, *out.shape)
+    want, want_lse, wg = _softcap_oracle(q, k, v, dout, scale=scale, cap=cap, bias=bias,
+                                         sinks=sinks[0].astype(np.float64), causal=causal)
+    assert _rel(out, want) <= RTOL
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+    grads = _call_bwd(q, k, v, out, lse, dout, **kw)
+    for name, got, w in zip(("dq", "dk", "dv"), grads, wg):
+        assert _rel(got, w) <= GRAD_RTOL, name
+
+
+def test_soft_cap_with_segments_and_tiny_logits(rng):
+    """Logits near 0 (tanh's small-argument branch) and a huge cap equal the uncapped call;
+    composes with segments."""
+    b, hq, hk, l, d = 1, 2, 1, 77, 8
+    q, k, v = 1e-3 * _normal(rng, b, hq, l, d), _normal(rng, b, hk, l, d), _normal(rng, b, hk, l, d)
+    ids = _segments(rng, b, l, "sorted")
+    base = dict(scale=1.0, q_segment_ids=ids, kv_segment_ids=ids)
+    capped, _ = _call_fwd(q, k, v, logits_soft_cap=1e4, **base)
+    plain, _ = _call_fwd(q, k, v, **base)
+    np.testing.assert_allclose(capped, plain, rtol=0, atol=1e-6)
+    small_cap, _ = _call_fwd(q, k, v, logits_soft_cap=0.01, **base)
+    dout = np.zeros_like(small_cap)
+    want, _, _ = _softcap_oracle(q, k, v, dout, scale=1.0, cap=0.01,
+                                 bias=np.where(_segment_mask(ids, ids, hq), 0.0, -np.inf))
+    assert _rel(small_cap, want) <= RTOL
+
+
+# ---------------------------------------------------------------------------
+# decode-shaped tiles (at most 8 rows of one kv head: the narrow kernels)
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 300, 64), (1, 4, 4, 1, 77, 16),
+                                   (3, 16, 2, 1, 129, 128), (1, 6, 2, 2, 65, 32),
+                                   (1, 2, 1, 3, 200, 8)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_decode_tiles(shape, dtype, rng):
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    if dtype == "bfloat16":
+        q, k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
+    kvl = rng.integers(1, lk + 1, size=b).astype(np.int32)
+    sinks = _normal(rng, 1, hq)
+    cap = 5.0
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks, window_right=0,
+              bottom_right=True)
+    dt = jnp.dtype(dtype)
+    out, lse = _call_fwd(*(jnp.asarray(x, dt) for x in (q, k, v)), **kw)
+    want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                    v.astype(np.float64), scale=1 / np.sqrt(d),
+                                    sinks=sinks.astype(np.float64), kv_lengths=kvl,
+                                    window_right=0, bottom_right=True)
+    tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
+    assert _rel(out.astype(np.float32), want) <= tol
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+    # with the soft cap (full lengths: the dense oracle here has no lengths)
+    kw.update(kv_lengths=None, logits_soft_cap=cap)
+    out, _ = _call_fwd(*(jnp.asarray(x, dt) for x in (q, k, v)), **kw)
+    want, _, _ = _softcap_oracle(q, k, v, np.zeros(out.shape), scale=1 / np.sqrt(d), cap=cap,
+                                 sinks=sinks[0].astype(np.float64), causal=True)
+    assert _rel(out.astype(np.float32), want) <= tol
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 1, 3000, 64), (1, 2, 2, 40, 2500, 32),
+                                   (1, 3, 1, 2, 1100, 24)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_keys_split_across_threads(shape, rng):
+    """Few tiles and many keys: each tile's keys are cut into shares whose softmax states
+    merge; a share past the length sees nothing, a NaN key reaches only its rows."""
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    sinks = _normal(rng, 1, hq)
+    for kvl in (lk, lk // 3):
+        lengths = np.full(b, kvl, np.int32)
+        kw = dict(scale=1 / np.sqrt(d), kv_lengths=lengths, sinks=sinks)
+        out, lse = _call_fwd(q, k, v, **kw)
+        want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                        v.astype(np.float64), scale=1 / np.sqrt(d),
+                                        sinks=sinks.astype(np.float64), kv_lengths=lengths)
+        assert _rel(out, want) <= RTOL
+        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+    k_nan = k.copy()
+    k_nan[0, 0, lk - 5] = np.nan  # in the last share; kv head 0 only
+    out, lse = _call_fwd(q, k_nan, v, scale=1 / np.sqrt(d))
+    g = hq // hk
+    assert np.isnan(out[0, :g]).all() and np.isnan(lse[0, :g]).all()
+    assert np.isfinite(out[0, g:]).all()
+
+
+# ---------------------------------------------------------------------------
+# the paged forward (pages read in place)
+
+@pytest.mark.parametrize("layout", ["PHSD", "PSHD"])
+@pytest.mark.parametrize("case", [  # b, hq, hk, lq, d, page, pages_per_seq, dtype
+    (2, 8, 2, 1, 64, 16, 80, "float32"),   # decode, keys split across threads
+    (3, 4, 4, 3, 32, 24, 5, "bfloat16"),   # page size not a divisor of the key block
+    (1, 2, 1, 17, 24, 8, 9, "float32"),    # chunked prefill: wide tiles
+], ids=str)
+def test_paged_forward_reads_pages_in_place(layout, case, rng):
+    import jax_sdpa
+
+    b, hq, hk, lq, d, s, pps, dtype = case
+    dt = jnp.dtype(dtype)
+    num_pages = b * pps + 3
+    lengths = rng.integers(lq, pps * s + 1, size=b).astype(np.int32)
+    k = rng.standard_normal((b, hk, pps * s, d)).astype(np.float32)
+    v = rng.standard_normal((b, hk, pps * s, d)).astype(np.float32)
+    k, v = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x in (k, v))
+    table = rng.permutation(num_pages)[: b * pps].reshape(b, pps).astype(np.int32)
+    pool_k = np.full((num_pages, hk, s, d), np.nan, np.float32)  # unused pages: NaN
+    pool_v = np.full((num_pages, hk, s, d), np.nan, np.float32)
+    for bi in range(b):
+        for j in range(pps):
+            if j * s < lengths[bi]:  # pages past the length stay NaN: never read
+                pool_k[table[bi, j]] = k[bi, :, j * s:(j + 1) * s]
+                pool_v[table[bi, j]] = v[bi, :, j * s:(j + 1) * s]
+    if layout == "PSHD":
+        pool_k, pool_v = pool_k.transpose(0, 2, 1, 3), pool_v.transpose(0, 2, 1, 3)
+    q = rng.standard_normal((b, hq, lq, d)).astype(np.float32)
+    q = np.asarray(jnp.asarray(q, dt).astype(jnp.float32))
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    sinks = np.asarray(jnp.asarray(sinks, dt).astype(jnp.float32))
+    for cap in (None, 4.0):
+        got = jax.jit(lambda q, kp, vp, t, n: jax_sdpa.paged_attention(
+            q, kp, vp, t, n, mask="causal", sinks=jnp.asarray(sinks, dt), logits_soft_cap=cap,
+            kv_layout=layout, implementation="cpu"))(
+                *(jnp.asarray(x, dt) for x in (q, pool_k, pool_v)), table, lengths)
+        got = np.asarray(got.astype(jnp.float32))
+        assert np.isfinite(got).all()
+        kz, vz = np.nan_to_num(k), np.nan_to_num(v)
+        if cap is None:
+            want, _ = oracle.forward(q.astype(np.float64), kz.astype(np.float64),
+                                     vz.astype(np.float64), sinks=sinks.astype(np.float64),
+                                     kv_lengths=lengths, window_right=0, bottom_right=True)
+        else:  # the dense soft-cap oracle, one row at a time (lengths differ)
+            want = np.zeros_like(got, np.float64)
+            for bi in range(b):
+                n = lengths[bi]
+                want[bi:bi + 1], _, _ = _softcap_oracle(
+                    q[bi:bi + 1], kz[bi:bi + 1, :, :n], vz[bi:bi + 1, :, :n],
+                    np.zeros((1, hq, lq, d)), scale=1 / np.sqrt(d), cap=cap,
+                    sinks=sinks.astype(np.float64), causal=True)
+        tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
+        assert _rel(got, want) <= tol, cap
