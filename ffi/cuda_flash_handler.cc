@@ -95,6 +95,15 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
       e.failure())
     return e;
   if (dq->size_bytes() + dk->size_bytes() + dv->size_bytes() == 0) return ffi::Error::Success();
+  if (static_cast<int64_t>(p.batch) * p.heads_q * p.len_q * p.len_kv == 0) {
+    // no query meets a key (e.g. zero query heads): every gradient is 0, and no kernel's
+    // grid covers dk / dv then
+    for (ffi::AnyBuffer* g : {&*dq, &*dk, &*dv}) {
+      cudaError_t e = cudaMemsetAsync(g->untyped_data(), 0, g->size_bytes(), stream);
+      if (e != cudaSuccess) return cuda_error("cuda flash", "zeroing the gradients", e);
+    }
+    return ffi::Error::Success();
+  }
 
   void* work = nullptr;
   if (auto err = allocate_scratch(scratch, cuda_flash::backward_scratch_bytes(p), "cuda flash",

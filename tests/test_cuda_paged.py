@@ -83,7 +83,7 @@ def _case(rng, *, dtype, layout, page_size, lq, d, hq=8, hk=2, b=3, pps=6, causa
     def run(q, kp, vp, t, lens):
         return jax_sdpa.paged_attention(
             q, kp, vp, t, lens, scale=scale, mask="causal" if causal else None,
-            sinks=None if snk is None else jnp.asarray(snk),
+            sinks=None if snk is None else jnp.asarray(snk[0]),
             logits_soft_cap=cap if cap else None, kv_layout=layout, implementation="cuda")
 
     out = jax.jit(run)(qj, kpj, vpj, jnp.asarray(table), jnp.asarray(kvl))
