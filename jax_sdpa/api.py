@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import dispatch, flash_attn3, vjp
+from jax_sdpa import dispatch, vjp
 from jax_sdpa.config import Config, StaticParams
 
 _VALID_FLOATS = (np.float16, np.float32, np.float64, jnp.bfloat16)
@@ -391,10 +391,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     `sinks` ([N] logits), `q_segment_ids` / `kv_segment_ids` (int32 [B, T] / [B, S]; a query
     sees a key only where their ids are equal, `q_segment_ids` alone serves as both),
     `logits_soft_cap` (c > 0: logits become c * tanh(scale * q.k / c) before bias and mask)
-    and the implementations of `scaled_dot_product_attention`, plus "flash_attn3"
-    (FlashAttention-3 through the flash-attn3-jax package's `flash_mha`, when installed: sm90,
-    16-bit, head dim 128, no masks, sinks, lengths or segment ids; `implementation=None`
-    takes it where jax_sdpa/tuning.py measured it faster). A query row that sees no key
+    and the implementations of `scaled_dot_product_attention`. A query row that sees no key
     averages the values uniformly, as jax.nn's does for a fully masked row."""
     query, key, value = (_as_array(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
@@ -451,10 +448,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     present = [x for x in (bias, mask) if x is not None]
     combined = None if not present else jax.ShapeDtypeStruct(  # what _attend_jax_nn passes
         jnp.broadcast_shapes(*(x.shape for x in present)), present[0].dtype)
-    cfg = _config(query, key, value, combined, sinks, q_lengths, kv_lengths, params, q_ids,
-                  kv_ids)
-    if dispatch.flash_attn3_routes(cfg, _trace_platform(), implementation, return_residual):
-        return _attend_flash_attn3(query, key, value, params=params).reshape(output_shape)
     _check_named(implementation, query, key, value, combined, sinks, q_lengths, kv_lengths,
                  params, q_ids, kv_ids)
     may_be_empty = _rows_may_be_empty(bias is not None or mask is not None or q_ids is not None,
@@ -482,13 +475,6 @@ def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, 
     if may_be_empty or q_lengths is not None:
         out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
     return out, jnp.swapaxes(lse, 1, 2)  # B N T -> B T N
-
-
-@functools.partial(jax.jit, static_argnames=("params",))
-def _attend_flash_attn3(query, key, value, params):
-    """A call `dispatch.flash_attn3_routes` sent to flash_attn3_jax (forward and backward
-    are its own)."""
-    return flash_attn3.attend(query, key, value, params)
 
 
 def _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s):

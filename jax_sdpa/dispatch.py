@@ -22,15 +22,11 @@ from typing import Optional
 
 import numpy as np
 
-from jax_sdpa import _ext, flash_attn3, tuning
+from jax_sdpa import _ext, tuning
 from jax_sdpa.config import FP32_PRECISION_HIGHEST, MASK_BOOL, MASK_NONE, Config
 
-IMPLEMENTATIONS = ("cudnn", "cuda", "flash_attn3", "metal", "cpu", "xla", "xla_chunked")
-FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "flash_attn3": "cuda", "metal": "cpu",
-                   "cpu": "cpu"}
-# Served by a peer library's public API from the jax.nn entry, before our primitives: no
-# FFI target of ours, no lowering (jax_sdpa/flash_attn3.py).
-PEER_IMPLEMENTATIONS = frozenset({"flash_attn3"})
+IMPLEMENTATIONS = ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked")
+FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "metal": "cpu", "cpu": "cpu"}
 
 XLA_CHUNKED_SCORE_BYTES = tuning.XLA_CHUNKED_SCORE_BYTES
 
@@ -134,30 +130,24 @@ def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
     return _ok("our Metal kernels on the GPU")
 
 
-@functools.lru_cache(maxsize=None)
-def gpu_capabilities() -> tuple:
-    """(major, minor) compute capability of every visible GPU, cached; () when none can
-    be read."""
-    try:
-        import jax
-        return tuple(tuple(int(x) for x in str(d.compute_capability).split("."))
-                     for d in jax.devices("gpu"))
-    except Exception:
-        return ()
-
-
 def _cudnn_facts():
     """(loaded cuDNN version, (major, minor) of the weakest visible GPU), cached.
     (-1, (0, 0)) when they can't be read."""
     global _CUDNN_FACTS
     if _CUDNN_FACTS is None:
-        version = -1
+        version, cc = -1, (0, 0)
         try:
             version = int(_ext.module("_sdpa_cuda").cudnn_version())
         except Exception:
             pass
-        caps = gpu_capabilities()
-        _CUDNN_FACTS = (version, min(caps) if caps else (0, 0))
+        try:
+            import jax
+            caps = [tuple(int(x) for x in str(d.compute_capability).split("."))
+                    for d in jax.devices("gpu")]
+            cc = min(caps) if caps else (0, 0)
+        except Exception:
+            pass
+        _CUDNN_FACTS = (version, cc)
     return _CUDNN_FACTS
 
 
@@ -388,7 +378,6 @@ def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
 _RULES = {
     "cudnn": _supports_cudnn,
     "cuda": _supports_cuda,
-    "flash_attn3": lambda call: flash_attn3.serves(call.cfg, call.platform),
     "metal": lambda call: supports_metal(call.cfg, call.direction, call.platform),
     "cpu": lambda call: supports_cpu(call.cfg, call.direction, call.platform),
     "xla": lambda call: supports_xla(call.cfg, call.direction, call.platform),
@@ -520,26 +509,6 @@ def _preference(call: "_Call"):
     return []
 
 
-def flash_attn3_routes(cfg: Config, platform: str, implementation: Optional[str],
-                       needs_lse: bool) -> bool:
-    """Whether a jax.nn-entry call goes to flash_attn3_jax's flash_mha (decided at trace
-    time, before our primitives). Named: it must serve the call (else NotImplementedError
-    with the reason). None: where it serves and the tuning row says it is faster: 16-bit
-    D128 prefill with Lq and Lk >= tuning.FLASH_ATTN3_MIN_LEN (None: never), never decode
-    shapes."""
-    if implementation is not None and implementation != "flash_attn3":
-        return False
-    ok, reason = flash_attn3.serves(cfg, platform, needs_lse)
-    if implementation == "flash_attn3":
-        if not ok:
-            raise NotImplementedError(
-                f"jax_sdpa: implementation='flash_attn3' can't serve this call: {reason}")
-        return True
-    min_len = tuning.FLASH_ATTN3_MIN_LEN
-    return (ok and min_len is not None and not cfg.is_decode
-            and min(cfg.len_q, cfg.len_kv) >= min_len)
-
-
 def _xla_choice(cfg: Config) -> str:
     return "xla_chunked" if cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES else "xla"
 
@@ -584,10 +553,6 @@ def plan(cfg: Config, platform: str, direction: str = "fwd",
     call = _Call(cfg, direction, platform)
     name = _choose(call, implementation)
     reason = call.verdict(name)[1]
-    if name in PEER_IMPLEMENTATIONS:
-        raise NotImplementedError(
-            f"jax_sdpa: implementation={name!r} runs only from jax_sdpa.dot_product_attention "
-            f"(the call goes to the peer library there), not as one of our primitives")
     if name in ("xla", "xla_chunked"):
         return Plan(name, None, 0, reason)
     target = _target(call, name)
@@ -638,8 +603,6 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     call it stands for): its module registers the paged target, its kernels serve the
     shapes (the rules of the contiguous forward; on CUDA, our decode kernel's) and the
     target declares the features the call uses."""
-    if name in PEER_IMPLEMENTATIONS:
-        return _no("flash_attn3_jax's flash_mha takes no paged KV cache")
     if name in ("xla", "xla_chunked"):
         return _ok("gathers the pages into a contiguous cache, then "
                    + ("the online softmax over key blocks" if name == "xla_chunked"

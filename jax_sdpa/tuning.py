@@ -66,14 +66,6 @@ ROWS = {
         "L4250 D64 92-96 / 85-88 TFLOP/s fwd / fwd+bwd vs xla 39-41 / 51-52, 1.2 MiB vs "
         "10.2 GiB of temporaries); above it xla",
         "benchmarks/results/h200/flash.json"),
-    "FLASH_ATTN3_MIN_LEN": Row(
-        4096,
-        "jax.nn-entry calls that flash_attn3_jax's flash_mha serves (16-bit, D = Dv = 128, "
-        "sm90, no masks/sinks/lengths) go there when Lq and Lk are both at least this "
-        "(never decode shapes): forward+backward 1.08-1.10x our cuDNN path (B4 H32 L4096 581 "
-        "vs 537 TFLOP/s, causal 521 vs 475, B1 H16 L16384 causal 592 vs 536, B2 H32/KV8 "
-        "L8192 causal 563 vs 510), forward 1.02-1.05x; its decode is 0.12x ours. None: never",
-        "benchmarks/results/h200/peers.json"),
 }
 
 XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
@@ -84,4 +76,3 @@ CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
 CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
-FLASH_ATTN3_MIN_LEN = ROWS["FLASH_ATTN3_MIN_LEN"].value
