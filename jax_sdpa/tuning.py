@@ -50,16 +50,20 @@ ROWS = {
         "benchmarks/results/h200/decode_crossover.json"),
     "CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS": Row(
         True,
-        "decode with key_value_seq_lengths (the KV-cache call): our decode kernel, not our "
-        "cuDNN graph, whose padding-mask engine ran at 0.62-0.66x jax.nn's cuDNN call on the "
-        "same rows (B1 H32/KV8 Lk32768 D128 1764 vs 2689 GB/s; B8 Lk8192 2122 vs 3418)",
-        "benchmarks/results/h200/peers.json"),
+        "decode with sequence lengths (the KV-cache call): our decode kernel, not our cuDNN "
+        "graph, whose padding-mask engine ran at 0.62-0.66x jax.nn's cuDNN call (B1 H32/KV8 "
+        "Lk32768 D128 1764 vs 2689 GB/s; B8 Lk8192 2122 vs 3418, peers.json); our decode "
+        "kernel with lengths ran those rows at 3190 and 3765 against jax.nn cudnn's 3245 and "
+        "3686 (decode.json)",
+        "benchmarks/results/h200/peers.json, benchmarks/results/h200/decode.json"),
     "XLA_WIDE_BWD_MAX_SCORE_BYTES": Row(
         4 << 30,
         "16-bit backward at head dims > 256 on a GPU: XLA's materialized backward (after our "
         "flash forward) up to this many bytes of float32 scores; our wgmma flash backward "
-        "ran B1 H16 L4096 D512 causal fwd+bwd at 157 TFLOP/s against 222 for jax.nn's xla",
-        "benchmarks/results/h200/peers.json"),
+        "ran B1 H16 L4096 D512 causal fwd+bwd at 157 TFLOP/s against 222 for jax.nn's xla "
+        "(peers.json); with this row None ran it at 236, our flash backward 155, jax.nn's "
+        "xla 221, in one run (peers_dispatch.json)",
+        "benchmarks/results/h200/peers.json, benchmarks/results/h200/peers_dispatch.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
