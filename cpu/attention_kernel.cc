@@ -501,12 +501,23 @@ constexpr int64_t kNarrow = W < 8 ? W : 8;
 // where bit h of the lane is clear and b's where it is set.
 template <int H>
 inline vf fold(vf a, vf b) {
+#if defined(__clang__)
+  // clang has no two-source __builtin_shuffle with a mask vector: the same lanes, one by one
+  // (GCC builds, the release ones, take the shuffle below)
+  vf r;
+  for (int x = 0; x < W; ++x) {
+    const int lo = (x & H) ? W + x - H : x, hi = (x & H) ? W + x : x + H;
+    r[x] = (lo < W ? a[lo] : b[lo - W]) + (hi < W ? a[hi] : b[hi - W]);
+  }
+  return r;
+#else
   vi lo, hi;
   for (int x = 0; x < W; ++x) {
     lo[x] = (x & H) ? W + x - H : x;
     hi[x] = (x & H) ? W + x : x + H;
   }
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+#endif
 }
 template <int H>
 inline void fold_level(vf* v, int n) {
