@@ -62,7 +62,8 @@ def _case(rng, *, dtype, layout, page_size, lq, d, hq=8, hk=2, b=3, pps=6, causa
     q = rng.standard_normal((b, hq, lq, d)) * (3.0 if cap else 1.0)
     cast = lambda x: jnp.asarray(x, DTYPES[dtype])  # noqa: E731
     qj, kpj, vpj = cast(q), cast(k_pool), cast(v_pool)
-    snk = rng.standard_normal((1, hq)).astype(np.float32) if sinks else None
+    # sinks in the input dtype (they must promote to it), the oracle taking the rounded values
+    snk = as_f64(cast(rng.standard_normal((1, hq)))) if sinks else None
     scale = 1.0 / np.sqrt(d)
 
     # The contiguous cache the pages stand for (invalid pages: zeros, hidden by key_ok).
@@ -83,7 +84,7 @@ def _case(rng, *, dtype, layout, page_size, lq, d, hq=8, hk=2, b=3, pps=6, causa
     def run(q, kp, vp, t, lens):
         return jax_sdpa.paged_attention(
             q, kp, vp, t, lens, scale=scale, mask="causal" if causal else None,
-            sinks=None if snk is None else jnp.asarray(snk[0]),
+            sinks=None if snk is None else cast(snk[0]),
             logits_soft_cap=cap if cap else None, kv_layout=layout, implementation="cuda")
 
     out = jax.jit(run)(qj, kpj, vpj, jnp.asarray(table), jnp.asarray(kvl))

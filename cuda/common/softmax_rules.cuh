@@ -57,6 +57,18 @@ __device__ __forceinline__ float row_output(float acc, float inv_sum, bool empty
   return empty ? 0.f : acc * inv_sum;
 }
 
+// The backward's exponent of a recomputed probability, P = 2^d (or e^d), d = logit - lse in
+// the same units. A probability is at most 1, so d <= 0; but d carries the rounding of the
+// forward's lse round trip and of the recompute, a few ulps of |lse|, which at fp32 logits
+// near 1e31 is far more than 1: 2^(+huge) = inf (NaN gradients) or 2^(-huge) = 0 for the
+// row's winning key. So an exponent within kRecomputeUlps ulps of |lse| below 0, or above
+// it, is 0 (P = 1). At ordinary logits the band is ~1e-5 around the top and changes
+// nothing measurable. A NaN stays NaN (a comparison, never fminf).
+constexpr float kRecomputeUlps = 32.f;
+__device__ __forceinline__ float recomputed_exponent(float d, float lse) {
+  return d > -(kRecomputeUlps * 1.1920929e-7f) * fabsf(lse) ? 0.f : d;
+}
+
 // Soft-capped scaled logit: cap * tanh(x / cap) (cap > 0), x = scale * q.k.
 __device__ __forceinline__ float soft_capped(float x, float cap) {
   return cap * tanhf(x * (1.f / cap));

@@ -123,6 +123,25 @@ __global__ void zero_rows_kernel(const int32_t* lengths, int64_t batch, int64_t 
   }
 }
 
+// dst = src with rows l >= len zeroed, in units of `vec` 2- or 4-byte elements packed as
+// one T (a 16-byte vector where the layout allows, else one element).
+template <typename T>
+__global__ void copy_zeroing_rows_kernel(const int32_t* lengths, int64_t batch, int64_t heads,
+                                         int64_t len, int64_t units_per_row, int64_t s0,
+                                         int64_t s1, int64_t s2, const T* src, T* dst) {
+  const int64_t n = batch * heads * len * units_per_row;
+  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < n;
+       u += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = u % units_per_row;
+    const int64_t r = u / units_per_row;
+    const int64_t l = r % len;
+    const int64_t h = (r / len) % heads;
+    const int64_t b = r / (len * heads);
+    const int64_t at = b * s0 + h * s1 + l * s2 + c;
+    dst[at] = l < clamp_length(lengths, b, len) ? src[at] : T{};
+  }
+}
+
 }  // namespace
 
 cudaError_t prepare_lengths(const int32_t* q_len, const int32_t* kv_len, int64_t batch,
@@ -163,6 +182,40 @@ cudaError_t zero_rows_past_length(const SdpaParams& p, bool len_is_q, void* x, i
   if (lengths == nullptr || rows <= 0) return cudaSuccess;
   zero_rows_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
       lengths, p.batch, heads, len, dim, stride[0], stride[1], stride[2], element_size(p.dtype), x);
+  return cudaGetLastError();
+}
+
+int64_t strided_extent(int64_t batch, int64_t heads, int64_t len, int64_t dim,
+                       const int64_t stride[3]) {
+  if (batch <= 0 || heads <= 0 || len <= 0 || dim <= 0) return 0;
+  return (batch - 1) * stride[0] + (heads - 1) * stride[1] + (len - 1) * stride[2] + dim;
+}
+
+cudaError_t copy_zeroing_rows_past_length(const SdpaParams& p, bool len_is_q, const void* src,
+                                          void* dst, int64_t heads, int64_t len, int64_t dim,
+                                          const int64_t stride[3], cudaStream_t stream) {
+  const int32_t* lengths = len_is_q ? p.q_lengths : p.kv_lengths;
+  const size_t es = element_size(p.dtype);
+  const int64_t rows = p.batch * heads * len;
+  if (rows <= 0 || dim <= 0) return cudaSuccess;
+  // 16-byte units when every row start and the row length are 16-byte multiples.
+  const int64_t per = static_cast<int64_t>(16 / es);
+  const bool vec = dim % per == 0 && stride[0] % per == 0 && stride[1] % per == 0 &&
+                   stride[2] % per == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  if (vec) {
+    copy_zeroing_rows_kernel<uint4><<<blocks_for(rows * (dim / per)), kThreads, 0, stream>>>(
+        lengths, p.batch, heads, len, dim / per, stride[0] / per, stride[1] / per,
+        stride[2] / per, static_cast<const uint4*>(src), static_cast<uint4*>(dst));
+  } else if (es == 4) {
+    copy_zeroing_rows_kernel<float><<<blocks_for(rows * dim), kThreads, 0, stream>>>(
+        lengths, p.batch, heads, len, dim, stride[0], stride[1], stride[2],
+        static_cast<const float*>(src), static_cast<float*>(dst));
+  } else {
+    copy_zeroing_rows_kernel<unsigned short><<<blocks_for(rows * dim), kThreads, 0, stream>>>(
+        lengths, p.batch, heads, len, dim, stride[0], stride[1], stride[2],
+        static_cast<const unsigned short*>(src), static_cast<unsigned short*>(dst));
+  }
   return cudaGetLastError();
 }
 

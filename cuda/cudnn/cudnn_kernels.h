@@ -41,4 +41,16 @@ cudaError_t zero_rows_past_length(const SdpaParams& p, bool len_is_q, void* x, i
                                   int64_t len, int64_t dim, const int64_t stride[3],
                                   cudaStream_t stream);
 
+// Elements spanned by a [B, H, L, D] tensor with (batch, head, position) strides `stride`.
+int64_t strided_extent(int64_t batch, int64_t heads, int64_t len, int64_t dim,
+                       const int64_t stride[3]);
+
+// dst (strided_extent elements, the same strides) = src with rows l >= len zeroed. cuDNN
+// multiplies a hidden key's probability 0 by its value and a hidden query's 0 by its row
+// (0 * NaN = NaN), so a NaN past a length would reach outputs and gradients: its inputs
+// past the lengths are handed over zeroed.
+cudaError_t copy_zeroing_rows_past_length(const SdpaParams& p, bool len_is_q, const void* src,
+                                          void* dst, int64_t heads, int64_t len, int64_t dim,
+                                          const int64_t stride[3], cudaStream_t stream);
+
 }  // namespace jax_sdpa::cudnn_kernels

@@ -490,6 +490,28 @@ Status prepare_extras(const SdpaParams& p, const Spec& s, cudaStream_t stream, S
   return Status::Ok();
 }
 
+// An input whose rows past a length (q lengths: len_is_q; else kv lengths) cuDNN must see
+// zeroed (cudnn_kernels::copy_zeroing_rows_past_length says why): a scratch copy, or the
+// input itself where there are no such lengths.
+Status zeroed_past_length(const SdpaParams& p, bool len_is_q, const void* x, int64_t heads,
+                          int64_t len, int64_t dim, const int64_t stride[3],
+                          cudaStream_t stream, Scratch& scratch, const char* what,
+                          const void** out) {
+  *out = x;
+  if ((len_is_q ? p.q_lengths : p.kv_lengths) == nullptr || raw_mode()) return Status::Ok();
+  const int64_t n = cudnn_kernels::strided_extent(p.batch, heads, len, dim, stride);
+  if (n <= 0) return Status::Ok();
+  void* mem = nullptr;
+  if (Status st = allocate(scratch, n * element_bytes(p.dtype), &mem, what); !st.ok()) return st;
+  if (Status st = cuda_status(cudnn_kernels::copy_zeroing_rows_past_length(
+                                  p, len_is_q, x, mem, heads, len, dim, stride, stream),
+                              "zeroing copy kernel");
+      !st.ok())
+    return st;
+  *out = mem;
+  return Status::Ok();
+}
+
 Status execute(DeviceState* dev, const Plan& plan, cudaStream_t stream,
                std::unordered_map<int64_t, void*>& pack, Scratch& scratch) {
   void* workspace = nullptr;
@@ -554,10 +576,17 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
 
     Extras x;
     if (Status st = prepare_extras(p, s, stream, scratch, &x); !st.ok()) return st;
+    // A key past the kv length gets P = 0, which cuDNN still multiplies by its value.
+    const void* v = nullptr;
+    if (Status st = zeroed_past_length(p, false, b.v, p.heads_kv, p.len_kv, p.head_dim_v,
+                                       p.v_stride, stream, scratch, "values past the kv lengths",
+                                       &v);
+        !st.ok())
+      return st;
     float scale = static_cast<float>(p.scale);
     std::unordered_map<int64_t, void*> pack = {
         {kQ, const_cast<void*>(b.q)}, {kK, const_cast<void*>(b.k)},
-        {kV, const_cast<void*>(b.v)}, {kScale, &scale},
+        {kV, const_cast<void*>(v)},   {kScale, &scale},
         {kO, b.out},                  {kStats, b.lse}};
     if (s.bias) pack[kBias] = const_cast<void*>(x.bias);
     if (s.padding) {
@@ -611,11 +640,33 @@ Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t 
         return st;
       stats = static_cast<const float*>(mem);
     }
+    // Rows past the lengths meet P = 0 in products cuDNN still computes (dS K, dS^T Q,
+    // P^T dO, dO V^T): they go in zeroed.
+    const void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+    if (Status st = zeroed_past_length(p, true, b.q, p.heads_q, p.len_q, p.head_dim, p.q_stride,
+                                       stream, scratch, "queries past the q lengths", &q);
+        !st.ok())
+      return st;
+    if (Status st = zeroed_past_length(p, true, b.dout, p.heads_q, p.len_q, p.head_dim_v,
+                                       p.o_stride, stream, scratch,
+                                       "output gradients past the q lengths", &dout);
+        !st.ok())
+      return st;
+    if (Status st = zeroed_past_length(p, false, b.k, p.heads_kv, p.len_kv, p.head_dim,
+                                       p.k_stride, stream, scratch, "keys past the kv lengths",
+                                       &k);
+        !st.ok())
+      return st;
+    if (Status st = zeroed_past_length(p, false, b.v, p.heads_kv, p.len_kv, p.head_dim_v,
+                                       p.v_stride, stream, scratch, "values past the kv lengths",
+                                       &v);
+        !st.ok())
+      return st;
     float scale = static_cast<float>(p.scale);
     std::unordered_map<int64_t, void*> pack = {
-        {kQ, const_cast<void*>(b.q)},      {kK, const_cast<void*>(b.k)},
-        {kV, const_cast<void*>(b.v)},      {kO, const_cast<void*>(b.out)},
-        {kDO, const_cast<void*>(b.dout)},  {kStats, const_cast<float*>(stats)},
+        {kQ, const_cast<void*>(q)},        {kK, const_cast<void*>(k)},
+        {kV, const_cast<void*>(v)},        {kO, const_cast<void*>(b.out)},
+        {kDO, const_cast<void*>(dout)},    {kStats, const_cast<float*>(stats)},
         {kScale, &scale},                  {kDQ, b.dq},
         {kDK, b.dk},                       {kDV, b.dv}};
     if (s.bias) pack[kBias] = const_cast<void*>(x.bias);

@@ -66,6 +66,7 @@ using cuda_common::pack2;
 using cuda_common::to_float;
 using cuda_common::cp_async4;
 using cuda_common::fast_exp2;
+using cuda_common::recomputed_exponent;
 using cuda_common::ldmatrix_x4;
 using cuda_common::ldmatrix_x4_ordered;
 using cuda_common::ldmatrix_x4_trans;

@@ -159,14 +159,13 @@ __device__ __forceinline__ bool visible_score(const FwdArgs& a, int b, int h, in
   return vis;
 }
 
-// The backward's P and dS of one visible-or-not score: P = exp(min(x - lse, 0)) where
+// The backward's P and dS of one visible-or-not score: P = exp(x - lse) <= 1 where
 // visible (NaN when lse is), dS = P (dP - delta) selected (0 where hidden, so a hidden key's
 // NaN dP stays out); *ds_scores takes dS * dcap (the soft cap's chain rule, for dQ and dK).
 __device__ __forceinline__ float backward_p(bool vis, float x, float lse, float dp,
                                             float delta, float dcap, float* ds_scores) {
   const bool live = vis && lse != -INFINITY;
-  const float d = x - lse;  // not fminf: it would drop a NaN
-  const float p = live ? expf(d > 0.f ? 0.f : d) : 0.f;
+  const float p = live ? expf(recomputed_exponent(x - lse, lse)) : 0.f;
   *ds_scores = live ? p * (dp - delta) * dcap : 0.f;
   return p;
 }

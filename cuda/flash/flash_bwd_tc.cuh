@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
           float p;
           bool vis = true;
           if (full) {
-            p = fast_exp2(fmaf(s[n][e], a.scale_log2, -lse2));
+            p = fast_exp2(recomputed_exponent(fmaf(s[n][e], a.scale_log2, -lse2), lse2));
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
             const int j = k0 + warp * 16 + g + (e >> 1) * 8;
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
             }
             float x = s[n][e] * f.scale;
             if (vis) x += mask_value(f, b, h, i, j, &vis);
-            p = vis ? fast_exp2(fmaf(x, kLog2e, -lse2)) : 0.f;
+            p = vis ? fast_exp2(recomputed_exponent(fmaf(x, kLog2e, -lse2), lse2)) : 0.f;
           }
           // dS selected: a hidden key's NaN dP (or a NaN row's delta) stays out.
           const float ds = vis ? p * (dp[n][e] - dl) : 0.f;

@@ -261,11 +261,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
             float p;
             bool hidden = false;
             if (full) {
-              p = fast_exp2(fmaf(s[4 * i + e], a.scale_log2, -lse2[r]));
+              p = fast_exp2(
+                  recomputed_exponent(fmaf(s[4 * i + e], a.scale_log2, -lse2[r]), lse2[r]));
             } else {
               const float x = visible_score(f, b, h, qb + rl, k0 + kl, qlen, kvlen, offset,
                                             s[4 * i + e] * a.scale_log2);
-              p = fast_exp2(x - lse2[r]);
+              p = fast_exp2(recomputed_exponent(x - lse2[r], lse2[r]));
               hidden = x == -INFINITY;
             }
             // dS selected: a hidden key's NaN dP stays out.

@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
           const float dl = (e & 1) ? d2.y : d2.x;
           float p, ds;
           if (full) {
-            p = fast_exp2(fmaf(s[n][e], a.scale_log2, -lse2));
+            p = fast_exp2(recomputed_exponent(fmaf(s[n][e], a.scale_log2, -lse2), lse2));
             ds = p * (dp[n][e] - dl);
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
             }
             float x = s[n][e] * f.scale;
             if (vis) x += mask_value(f, b, h, i, j, &vis);
-            p = vis ? fast_exp2(fmaf(x, kLog2e, -lse2)) : 0.f;
+            p = vis ? fast_exp2(recomputed_exponent(fmaf(x, kLog2e, -lse2), lse2)) : 0.f;
             ds = vis ? p * (dp[n][e] - dl) : 0.f;
           }
           pv[e] = p;
