@@ -121,7 +121,7 @@ def ours(r, args, implementation=None):
         kw["q_segment_ids"] = segment_ids(r)
     if r["softcap"]:
         kw["logits_soft_cap"] = r["softcap"]
-    if r["lengths"]:
+    if r["lengths"] and not r["page_size"]:  # paged_attention takes its lengths positionally
         kw["key_value_seq_lengths"] = jnp.full((r["B"],), r["Lk"], jnp.int32)
     if r["page_size"]:
         if not hasattr(jax_sdpa, "paged_attention"):

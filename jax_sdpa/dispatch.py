@@ -471,7 +471,10 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
     if cfg.dtype == np.dtype(np.float32):
         return dmax <= tuning.CUDA_FLASH_FP32_MAX_HEAD_DIM
     if dmax <= 256:
-        return False
+        # cuDNN refuses it for a feature (segment ids, soft cap): each feature the call uses
+        # must be one our kernels beat the XLA path on in this direction.
+        return bool(cfg.features) and all(
+            direction in tuning.CUDA_FLASH_FOR_FEATURES.get(f, ()) for f in cfg.features)
     if _wgmma_flash_runs(cfg, direction):
         return True
     return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES

@@ -64,6 +64,14 @@ ROWS = {
         "(peers.json); with this row None ran it at 236, our flash backward 155, jax.nn's "
         "xla 221, in one run (peers_dispatch.json)",
         "benchmarks/results/h200/peers.json, benchmarks/results/h200/peers_dispatch.json"),
+    "CUDA_FLASH_FOR_FEATURES": Row(
+        {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
+        "16-bit prefill with a feature cuDNN doesn't serve: our CUDA flash kernels in these "
+        "directions, our XLA path in the others. Packed B2 H32/KV8 L8192 D128 causal, 8 "
+        "segments: ours 7.2 / 41 ms fwd / fwd+bwd vs the XLA path's 108 / 194; soft cap 30 "
+        "B4 H32 L4096 D128 causal: ours 21 / 120 vs 56 / 98 (its backward: XLA 42 ms, ours "
+        "99)",
+        "benchmarks/results/h200/peers_features.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
@@ -78,5 +86,6 @@ CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
 CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
+CUDA_FLASH_FOR_FEATURES = ROWS["CUDA_FLASH_FOR_FEATURES"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
