@@ -363,6 +363,27 @@ def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
         assert kernel == ("decode" if cfg.is_decode else "flash")
 
 
+@pytest.mark.parametrize("features, direction, chosen", [
+    (("segment_ids",), "fwd", "cuda"), (("segment_ids",), "bwd", "cuda"),
+    (("logits_soft_cap",), "fwd", "cuda"), (("logits_soft_cap",), "bwd", "xla"),
+    (("segment_ids", "logits_soft_cap"), "fwd", "cuda"),
+    (("segment_ids", "logits_soft_cap"), "bwd", "xla"),
+])
+def test_features_cudnn_does_not_serve(fake_h200, features, direction, chosen):
+    """16-bit prefill with segment ids or a soft cap (cuDNN serves neither): our flash
+    kernels in the directions CUDA_FLASH_FOR_FEATURES lists for every feature used, our XLA
+    path otherwise."""
+    import dataclasses
+    dispatch = fake_h200
+    cap = 30.0 if "logits_soft_cap" in features else 0.0
+    cfg = dataclasses.replace(_cfg(dtype="bfloat16", d=128, logits_soft_cap=cap),
+                              has_segment_ids="segment_ids" in features)
+    assert cfg.features == frozenset(features)
+    assert not dispatch.supports_cudnn(cfg, direction, "cuda")[0]
+    got = dispatch.choose(cfg, "cuda", direction)
+    assert got == chosen, (got, dispatch.explain_choice(cfg, "cuda", direction))
+
+
 def test_decode_where_cudnn_cannot_serve(fake_h200, monkeypatch):
     """16-bit decode that cuDNN refuses (sinks before cuDNN 9.13): ours from
     CUDA_DECODE_MIN_KV_BYTES of K + V, xla below."""
