@@ -57,11 +57,15 @@ def _valid_lengths(lengths, full):
 
 
 def visibility(params: StaticParams, batch, len_q, len_kv, key_index, q_lengths, kv_lengths,
-               bool_mask=None, q_segment_ids=None, kv_segment_ids=None):
+               bool_mask=None, q_segment_ids=None, kv_segment_ids=None, query_index=None):
     """Bool [B or 1, 1, Lq, len(key_index)]: may query i see key j (before additive masks).
     kv_segment_ids, when given, are the ids of the keys in `key_index` ([B, len(key_index)]):
-    the comparison is O(Lq * len(key_index)), never O(Lq * Lk) for a block of keys."""
-    i = jnp.arange(len_q, dtype=jnp.int32).reshape(1, 1, len_q, 1)
+    the comparison is O(Lq * len(key_index)), never O(Lq * Lk) for a block of keys.
+    query_index: the queries' positions (a block of them; q_segment_ids then theirs), all
+    Lq when None."""
+    if query_index is None:
+        query_index = jnp.arange(len_q, dtype=jnp.int32)
+    i = query_index.astype(jnp.int32).reshape(1, 1, -1, 1)
     j = key_index.astype(jnp.int32).reshape(1, 1, 1, -1)
     qlen = _valid_lengths(q_lengths, len_q)
     kvlen = _valid_lengths(kv_lengths, len_kv)
@@ -377,17 +381,19 @@ def _key_blocks(k, v, mask, kv_segment_ids, batch, heads_q, len_q, len_kv, block
 
 
 def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, q_segment_ids,
-                  seg_b, shape, precision, acc):
+                  seg_b, shape, precision, acc, query_index=None):
     """Scaled (soft-capped) scores of key block `idx` against the grouped queries, with their
     visibility (band, lengths, segments, keys past the end, a bool mask) and the cap's slope
     (None without a cap); an additive mask is added to them. seg_b: the block's key segment
-    ids [B, block] or None. shape = (B, Hq, Hk, Lq, Lk)."""
+    ids [B, block] or None. shape = (B, Hq, Hk, Lq, Lk); query_index: the positions of the
+    queries in qg when they are a block of them (q_segment_ids then theirs)."""
     b, hq, hk, lq, lk = shape
     key_index = idx * block + jnp.arange(block)
     s = _scaled_dots(qg, kb, params, precision, acc)
     slope = _soft_cap_slope(s, params)
     vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths,
-                     q_segment_ids=q_segment_ids, kv_segment_ids=seg_b)[:, :, None]
+                     q_segment_ids=q_segment_ids, kv_segment_ids=seg_b,
+                     query_index=query_index)[:, :, None]
     vis = vis & (key_index < lk).reshape(1, 1, 1, 1, block)
     if mb is not None:
         mg = _mask_grouped(mb, hq, hk)
@@ -409,6 +415,47 @@ def _carry_zero(acc, *operands):
     return zero
 
 
+# Packed sequences: query blocks x key blocks, and a pair whose segment ids can't meet is
+# skipped (lax.cond runs one branch), so 8 equal segments cost about 1/8 of the full call.
+PACKED_BLOCK = 256
+
+
+def _packed_tiles(q_segment_ids, mask, len_q, len_kv):
+    """Whether a call runs on (query block, key block) tiles: segment ids, at least two
+    blocks each way, and no mask that varies over queries (it would need cutting too)."""
+    return (q_segment_ids is not None and len_q > PACKED_BLOCK and len_kv > PACKED_BLOCK
+            and (mask is None or mask.shape[2] == 1))
+
+
+def _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk):
+    """Bool [nq, nk]: may query block a and key block c share a segment in any batch row
+    (their [min, max] id ranges overlap: conservative, exact for sorted packing)."""
+    lo_pad, hi_pad = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+
+    def ranges(ids, n):
+        pad = n * block - ids.shape[1]
+        lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=lo_pad).reshape(-1, n, block)
+        hi = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=hi_pad).reshape(-1, n, block)
+        return lo.min(axis=-1), hi.max(axis=-1)  # [B, n]
+
+    q_lo, q_hi = ranges(q_segment_ids, nq)
+    k_lo, k_hi = ranges(kv_segment_ids, nk)
+    meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    return meet.any(axis=0)
+
+
+def _query_blocks(x, axis, block, nq):
+    """x cut into nq query blocks along `axis`, block index first (None stays None)."""
+    return None if x is None else _blocks(x, axis, block, nq)
+
+
+def _unblock_queries(x, axis, len_q):
+    """Inverse of _query_blocks: [nq, ..., block, ...] -> [..., len_q, ...]."""
+    x = jnp.moveaxis(x, 0, axis)
+    shape = x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:]
+    return lax.slice_in_dim(x.reshape(shape), 0, len_q, axis=axis)
+
+
 def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                     kv_segment_ids, params: StaticParams, precision=None,
                     block: Optional[int] = None):
@@ -419,38 +466,66 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
     dv_ = v.shape[-1]
     acc = _acc_dtype(q.dtype)
     v = _zero_past(v, kv_lengths)
-    block, _, xs, mask_per_block = _key_blocks(k, v, mask, kv_segment_ids, b, hq, lq, lk,
-                                               block)
+    tiles = _packed_tiles(q_segment_ids, mask, lq, lk)
+    if tiles:
+        block = block or PACKED_BLOCK
+    block, nk, xs, mask_per_block = _key_blocks(k, v, mask, kv_segment_ids, b, hq, lq, lk,
+                                                block)
     qg = _grouped(q, hk)
-
-    def step(carry, xs):
-        m_run, l_run, o_run = carry
-        idx, kb, vb, seg_b = xs[:4]
-        mb = xs[4] if mask_per_block else mask
-        s, vis, _ = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                                  q_segment_ids, seg_b, (b, hq, hk, lq, lk), precision, acc)
-        s = jnp.where(vis, s, NEG_INF)
-        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
-        m_safe = _shift(m_new)
-        alpha = _exp_below(m_run - m_safe)
-        p = _exp_below(s - m_safe[..., None])
-        l_new = l_run * alpha + jnp.sum(p, axis=-1)
-        o_new = o_run * alpha[..., None] + jnp.einsum(
-            "bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), vb,
-            precision=precision, preferred_element_type=acc)
-        return (m_new, l_new, o_new), None
-
     g = hq // hk
     zero = _carry_zero(acc, q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                        kv_segment_ids)
-    m0 = jnp.full((b, hk, g, lq), NEG_INF, acc) + zero
-    if sinks is not None:
-        m0 = _sink_logits(sinks, hk, acc) + jnp.zeros((b, hk, g, lq), acc) + zero
-        l0 = jnp.where(m0 == NEG_INF, jnp.zeros((), acc), jnp.ones((), acc))
+
+    def initial(rows):
+        """The running max, sum and output of `rows` queries before any key."""
+        m0 = jnp.full((b, hk, g, rows), NEG_INF, acc) + zero
+        if sinks is not None:
+            m0 = _sink_logits(sinks, hk, acc) + jnp.zeros((b, hk, g, rows), acc) + zero
+            l0 = jnp.where(m0 == NEG_INF, jnp.zeros((), acc), jnp.ones((), acc))
+        else:
+            l0 = jnp.zeros((b, hk, g, rows), acc) + zero
+        return m0, l0, jnp.zeros((b, hk, g, rows, dv_), acc) + zero
+
+    def over_keys(qg_t, qseg_t, query_index, meets):
+        """The online softmax of queries qg_t (all, or one block at query_index) over every
+        key block; with `meets` [nk], a block whose entry is False is skipped."""
+        def step(carry, xs):
+            m_run, l_run, o_run = carry
+            idx, kb, vb, seg_b = xs[:4]
+            mb = xs[4] if mask_per_block else mask
+            s, vis, _ = _block_scores(qg_t, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                                      qseg_t, seg_b, (b, hq, hk, lq, lk), precision, acc,
+                                      query_index)
+            s = jnp.where(vis, s, NEG_INF)
+            m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
+            m_safe = _shift(m_new)
+            alpha = _exp_below(m_run - m_safe)
+            p = _exp_below(s - m_safe[..., None])
+            l_new = l_run * alpha + jnp.sum(p, axis=-1)
+            o_new = o_run * alpha[..., None] + jnp.einsum(
+                "bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), vb,
+                precision=precision, preferred_element_type=acc)
+            return (m_new, l_new, o_new), None
+
+        carry = initial(qg_t.shape[3])
+        if meets is None:
+            return lax.scan(step, carry, xs)[0]
+
+        def step_if_meets(carry, xs_meet):
+            xs_t, meet = xs_meet
+            return lax.cond(meet, lambda c: step(c, xs_t)[0], lambda c: c, carry), None
+        return lax.scan(step_if_meets, carry, (xs, meets))[0]
+
+    if not tiles:
+        m_run, l_run, o_run = over_keys(qg, q_segment_ids, None, None)
     else:
-        l0 = jnp.zeros((b, hk, g, lq), acc) + zero
-    o0 = jnp.zeros((b, hk, g, lq, dv_), acc) + zero
-    (m_run, l_run, o_run), _ = lax.scan(step, (m0, l0, o0), xs)
+        nq = -(-lq // block)
+        meet = _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk)
+        query_index = jnp.arange(nq * block, dtype=jnp.int32).reshape(nq, block)
+        per_block = lax.map(lambda t: over_keys(*t), (
+            _query_blocks(qg, 3, block, nq), _query_blocks(q_segment_ids, 1, block, nq),
+            query_index, meet))
+        m_run, l_run, o_run = (_unblock_queries(x, 3, lq) for x in per_block)
     lse = _lse_from(_shift(m_run), l_run)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
@@ -472,6 +547,9 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
+    tiles = _packed_tiles(q_segment_ids, mask, lq, lk)
+    if tiles:
+        block = block or PACKED_BLOCK
     block, nblocks, xs, mask_per_block = _key_blocks(k, v, mask, kv_segment_ids, b, hq, lq,
                                                      lk, block)
     qg, dout_g = _grouped(q, hk), _grouped(dout, hk)
@@ -479,28 +557,67 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
     delta = jnp.sum(dout_g.astype(acc) * _grouped(out, hk).astype(acc), axis=-1,
                     keepdims=True)
     scale = jnp.asarray(params.scale, acc)
+    zero = _carry_zero(acc, q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
+                       q_segment_ids, kv_segment_ids)
 
-    def step(dq, xs):
-        idx, kb, vb, seg_b = xs[:4]
-        mb = xs[4] if mask_per_block else mask
-        s, vis, slope = _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                                      q_segment_ids, seg_b, (b, hq, hk, lq, lk), precision,
-                                      acc)
-        dp = jnp.einsum("bkgid,bkjd->bkgij", dout_g, vb, precision=precision,
+    def tile(kxs, qxs):
+        """dQ of queries qxs (all, or one block) from key block kxs, and that block's dK, dV
+        contributions (float acc)."""
+        idx, kb, vb, seg_b = kxs[:4]
+        mb = kxs[4] if mask_per_block else mask
+        qg_t, dout_t, lse_t, delta_t, qseg_t, query_index = qxs
+        s, vis, slope = _block_scores(qg_t, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                                      qseg_t, seg_b, (b, hq, hk, lq, lk), precision, acc,
+                                      query_index)
+        dp = jnp.einsum("bkgid,bkjd->bkgij", dout_t, vb, precision=precision,
                         preferred_element_type=acc)
-        p, _, ds = _probs_dscores_block(s, vis, lse_g, dp, delta, slope, acc)
-        dq = dq + jnp.einsum("bkgij,bkjd->bkgid", ds, kb, precision=precision,
-                             preferred_element_type=acc) * scale
-        dkb = jnp.einsum("bkgij,bkgid->bkjd", ds, qg, precision=precision,
+        p, _, ds = _probs_dscores_block(s, vis, lse_t, dp, delta_t, slope, acc)
+        dq = jnp.einsum("bkgij,bkjd->bkgid", ds, kb, precision=precision,
+                        preferred_element_type=acc) * scale
+        dkb = jnp.einsum("bkgij,bkgid->bkjd", ds, qg_t, precision=precision,
                          preferred_element_type=acc) * scale
-        dvb = jnp.einsum("bkgij,bkgid->bkjd", p, dout_g, precision=precision,
+        dvb = jnp.einsum("bkgij,bkgid->bkjd", p, dout_t, precision=precision,
                          preferred_element_type=acc)
-        return dq, (dkb.astype(k.dtype), dvb.astype(v.dtype))
+        return dq, dkb, dvb
 
-    dq0 = jnp.zeros(qg.shape, acc) + _carry_zero(acc, q, k, v, out, lse, dout, mask,
-                                                 q_lengths, kv_lengths, q_segment_ids,
-                                                 kv_segment_ids)
-    dq, (dk_blocks, dv_blocks) = lax.scan(step, dq0, xs)
+    if not tiles:
+        def step(dq, kxs):
+            dq_b, dkb, dvb = tile(kxs, (qg, dout_g, lse_g, delta, q_segment_ids, None))
+            return dq + dq_b, (dkb.astype(k.dtype), dvb.astype(v.dtype))
+
+        dq, (dk_blocks, dv_blocks) = lax.scan(step, jnp.zeros(qg.shape, acc) + zero, xs)
+    else:
+        # Outer loop over key blocks (each emits its dK, dV), inner over query blocks; a
+        # pair whose segments can't meet is skipped.
+        nq = -(-lq // block)
+        meet = _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nblocks)
+        qxs = (_query_blocks(qg, 3, block, nq), _query_blocks(dout_g, 3, block, nq),
+               _query_blocks(lse_g, 3, block, nq), _query_blocks(delta, 3, block, nq),
+               _query_blocks(q_segment_ids, 1, block, nq),
+               jnp.arange(nq * block, dtype=jnp.int32).reshape(nq, block))
+        dkv0 = (jnp.zeros((b, hk, block, d), acc) + zero,
+                jnp.zeros((b, hk, block, v.shape[-1]), acc) + zero)
+
+        def key_step(dq_blocks, kxs_meets):
+            kxs, meets = kxs_meets
+
+            def query_step(dkv, qxs_meet):
+                qxs_t, meet_t = qxs_meet
+
+                def run(dkv):
+                    dq_t, dkb, dvb = tile(kxs, qxs_t)
+                    return (dkv[0] + dkb, dkv[1] + dvb), dq_t
+
+                def skip(dkv):
+                    return dkv, jnp.zeros(qxs_t[0].shape, acc) + zero
+                return lax.cond(meet_t, run, skip, dkv)
+
+            (dkb, dvb), dq_c = lax.scan(query_step, dkv0, (qxs, meets))
+            return dq_blocks + dq_c, (dkb.astype(k.dtype), dvb.astype(v.dtype))
+
+        dq_blocks0 = jnp.zeros(qxs[0].shape, acc) + zero
+        dq_blocks, (dk_blocks, dv_blocks) = lax.scan(key_step, dq_blocks0, (xs, meet.T))
+        dq = _unblock_queries(dq_blocks, 3, lq)
 
     def unblock(x, last):
         x = jnp.moveaxis(x, 0, 2)  # [B, Hk, nblocks, block, D]

@@ -81,6 +81,10 @@ CASES = [
     Case("window_causal_lengths", segments="none", window=(3, 5), mask="causal", lq=7,
          lk=19, kv_lengths=True),
     Case("decode_segments", segments="cross", lq=1, lk=33, hq=8, hk=2, cap=30.0),
+    # long enough for xla_chunked's (query block, key block) tiles, some of which can't meet
+    Case("long_packed_tiles", lq=600, lk=600, d=8, hq=2, hk=1, mask="causal", sinks=True,
+         kv_lengths=True, cap=20.0),
+    Case("long_cross_tiles", segments="cross", lq=290, lk=410, d=8, hq=2, hk=1),
 ]
 
 
