@@ -123,8 +123,8 @@ __global__ void zero_rows_kernel(const int32_t* lengths, int64_t batch, int64_t 
   }
 }
 
-// dst = src with rows l >= len zeroed, in units of `vec` 2- or 4-byte elements packed as
-// one T (a 16-byte vector where the layout allows, else one element).
+// dst = src with rows l >= len zeroed, in units T: a 16-byte vector where the layout
+// allows, else one element (strides and units_per_row are in units T).
 template <typename T>
 __global__ void copy_zeroing_rows_kernel(const int32_t* lengths, int64_t batch, int64_t heads,
                                          int64_t len, int64_t units_per_row, int64_t s0,
