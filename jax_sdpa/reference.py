@@ -444,16 +444,11 @@ def _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk):
     return meet.any(axis=0)
 
 
-def _query_blocks(x, axis, block, nq):
-    """x cut into nq query blocks along `axis`, block index first (None stays None)."""
-    return None if x is None else _blocks(x, axis, block, nq)
-
-
-def _unblock_queries(x, axis, len_q):
-    """Inverse of _query_blocks: [nq, ..., block, ...] -> [..., len_q, ...]."""
+def _unblock(x, axis, length):
+    """Inverse of _blocks: [nblocks, ..., block, ...] -> [..., length, ...]."""
     x = jnp.moveaxis(x, 0, axis)
     shape = x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:]
-    return lax.slice_in_dim(x.reshape(shape), 0, len_q, axis=axis)
+    return lax.slice_in_dim(x.reshape(shape), 0, length, axis=axis)
 
 
 def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
@@ -523,9 +518,9 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
         meet = _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk)
         query_index = jnp.arange(nq * block, dtype=jnp.int32).reshape(nq, block)
         per_block = lax.map(lambda t: over_keys(*t), (
-            _query_blocks(qg, 3, block, nq), _query_blocks(q_segment_ids, 1, block, nq),
-            query_index, meet))
-        m_run, l_run, o_run = (_unblock_queries(x, 3, lq) for x in per_block)
+            _blocks(qg, 3, block, nq), _blocks(q_segment_ids, 1, block, nq), query_index,
+            meet))
+        m_run, l_run, o_run = (_unblock(x, 3, lq) for x in per_block)
     lse = _lse_from(_shift(m_run), l_run)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
@@ -591,10 +586,9 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
         # pair whose segments can't meet is skipped.
         nq = -(-lq // block)
         meet = _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nblocks)
-        qxs = (_query_blocks(qg, 3, block, nq), _query_blocks(dout_g, 3, block, nq),
-               _query_blocks(lse_g, 3, block, nq), _query_blocks(delta, 3, block, nq),
-               _query_blocks(q_segment_ids, 1, block, nq),
-               jnp.arange(nq * block, dtype=jnp.int32).reshape(nq, block))
+        qxs = tuple(_blocks(x, 3, block, nq) for x in (qg, dout_g, lse_g, delta)) + (
+            _blocks(q_segment_ids, 1, block, nq),
+            jnp.arange(nq * block, dtype=jnp.int32).reshape(nq, block))
         dkv0 = (jnp.zeros((b, hk, block, d), acc) + zero,
                 jnp.zeros((b, hk, block, v.shape[-1]), acc) + zero)
 
@@ -617,13 +611,8 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
 
         dq_blocks0 = jnp.zeros(qxs[0].shape, acc) + zero
         dq_blocks, (dk_blocks, dv_blocks) = lax.scan(key_step, dq_blocks0, (xs, meet.T))
-        dq = _unblock_queries(dq_blocks, 3, lq)
+        dq = _unblock(dq_blocks, 3, lq)
 
-    def unblock(x, last):
-        x = jnp.moveaxis(x, 0, 2)  # [B, Hk, nblocks, block, D]
-        return x.reshape(b, hk, nblocks * block, last)[:, :, :lk]
-
-    dk = unblock(dk_blocks, d)
-    dv = unblock(dv_blocks, v.shape[-1])
+    dk, dv = _unblock(dk_blocks, 2, lk), _unblock(dv_blocks, 2, lk)
     dq = dq.reshape(b, hq, lq, d).astype(q.dtype)
     return tuple(_from_bhld(x, params.seq_major) for x in (dq, dk, dv))
