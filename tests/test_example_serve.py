@@ -21,9 +21,11 @@ def test_served_logits_equal_a_recompute_and_pages_come_back(page_size):
     model = gpt.GPT(CFG, rngs=nnx.Rngs(seed))
     server = serve.Server(model, max_batch=3, num_pages=9, page_size=page_size,
                           prefill_chunk=5)
-    for i in range(6):  # more requests than slots, arriving over time
+    # more requests than slots: the first three fill every slot for at least 11 steps, the
+    # other three arrive while they run, so some must wait
+    for i in range(6):
         server.submit(rng.integers(0, CFG.vocab, int(rng.integers(1, 20))),
-                      int(rng.integers(1, 12)), arrival=i)
+                      11 if i < 3 else int(rng.integers(1, 12)), arrival=max(0, i - 2))
     results = server.run()
     assert sorted(results) == list(range(6))
     for rid, request in server.requests.items():
@@ -32,7 +34,6 @@ def test_served_logits_equal_a_recompute_and_pages_come_back(page_size):
     assert serve.max_recompute_error(model, server) < 1e-4, f"seed {seed}"
     assert sorted(server.free) == list(range(9)) and server.reserved == 0
     assert server.steps_run["prefill"] > 0 and server.steps_run["decode"] > 0
-    # the pool (9 pages) could not hold every slot's longest request: some waited
     waits = [results[r].admitted - server.requests[r].arrival for r in results]
     assert max(waits) > 0
 
