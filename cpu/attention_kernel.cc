@@ -44,7 +44,8 @@ constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 xmm/NEON registers (of 32 on 
 #endif
 constexpr int64_t kBq = 64;  // rows (queries x group heads) per tile
 constexpr int64_t kBk = 64;  // keys per block
-constexpr int64_t kSplitKeys = 512;  // fewest keys worth a task of their own (split keys)
+constexpr int64_t kSplitKeys = 512;  // fewest key rows worth a task of their own (split keys)
+constexpr int64_t kGroupHeads = 16;  // most kv heads one forward task walks together
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -108,6 +109,7 @@ inline vf vtanh(vf x) {
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t abs64(int64_t a) { return a < 0 ? -a : a; }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ---- dtype conversion ---------------------------------------------------------
@@ -661,6 +663,7 @@ struct FwdCtx {
   Arena arena;
   SegBlocks segs;
   int64_t tiles;  // per (b, hk)
+  int64_t group_heads = 1;  // kv heads a task walks together (fwd_task)
   // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
   // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
   // state in part; the share that finishes last (done[tile] counts them) merges them.
@@ -704,176 +707,258 @@ void merge_shares(const FwdCtx& ctx, int64_t tile_id, const Tile& t, bool narrow
   }
 }
 
-void fwd_task(void* vctx, int64_t task, int participant) {
-  const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
-  const SdpaParams& p = *ctx.p;
-  const SdpaFwdBuffers& buf = *ctx.buf;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group();
-  const int64_t BH = p.batch * p.heads_kv;
-  // Heaviest tiles (latest queries under a causal band) first.
-  const int64_t share = task % ctx.nsplit, tile_task = task / ctx.nsplit;
-  const int64_t tile = ctx.tiles - 1 - tile_task / BH, bh = tile_task % BH;
-
-  Carver cv{ctx.arena.base + ctx.arena.per * participant};
+// A tile's softmax state: its rows, maxima m, sums l, the last block's rescale alpha and its
+// unnormalized O (narrow: rows of Dv in Or, queries in Qr; else transposed [Dv][np] in the
+// task's Ot, queries in its Qt), and the keys [ka, kb) of its share.
+struct TileState {
   Tile t;
-  t.b = bh / p.heads_kv;
-  t.hk = bh % p.heads_kv;
+  bool narrow;
+  int np2;
+  float *Qr, *Or, *Ot, *m, *l, *alpha;
+  int64_t ka, kb;
+  float* O() const { return narrow ? Or : Ot; }
+};
+size_t tile_state_bytes(int64_t D, int64_t Dv) {
+  return 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
+         floats_bytes(W * D) + floats_bytes(W * Dv) + 3 * floats_bytes(kBq);
+}
+
+// What a task reuses for every block of every tile it runs.
+struct BlockScratch {
+  KeyRun* runs;
+  float *Qt, *St, *Ot, *Kf, *Vf, *zero_row, *tmp;
+  const float** kr;
+  const float** vr;
+};
+size_t block_scratch_bytes(int64_t D, int64_t Dv) {
+  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D) + 2 * (size_t)round_up(kBk * 8, 64) +
+         floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
+         floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv));
+}
+BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
+  BlockScratch sc;
+  sc.runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBk));
+  sc.Qt = cv.floats(D * kBq);
+  sc.St = cv.floats(kBk * kBq);
+  sc.Ot = cv.floats(Dv * kBq);
+  sc.Kf = cv.floats(kBk * D);
+  sc.Vf = cv.floats(kBk * Dv);
+  sc.zero_row = cv.floats(D);
+  sc.tmp = cv.floats(max64(D, Dv));
+  sc.kr = reinterpret_cast<const float**>(cv.ints(kBk));
+  sc.vr = reinterpret_cast<const float**>(cv.ints(kBk));
+  return sc;
+}
+
+// Sets up the tile of rows tile * kBq .. of (b, hk) for key share `share`: its rows, the sinks
+// as a first softmax column, O = 0 and its packed queries.
+void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t share,
+                Carver& cv, const BlockScratch& sc, TileState* st) {
+  const SdpaParams& p = *ctx.p;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  Tile& t = st->t;
+  t.b = b;
+  t.hk = hk;
   t.r0 = tile * kBq;
-  t.n = min64(kBq, p.len_q * G - t.r0);
+  t.n = min64(kBq, p.len_q * p.group() - t.r0);
   t.col_i = cv.ints(kBq);
   t.col_h = cv.ints(kBq);
   t.kf = cv.ints(kBq);
   t.kl = cv.ints(kBq);
   t.qseg = cv.i32(kBq);
-  KeyRun* runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBk));
-  float* Qt = cv.floats(D * kBq);
-  float* St = cv.floats(kBk * kBq);
-  float* Ot = cv.floats(Dv * kBq);
-  float* Kf = cv.floats(kBk * D);
-  float* Vf = cv.floats(kBk * Dv);
-  float* m = cv.floats(kBq);
-  float* l = cv.floats(kBq);
-  float* alpha = cv.floats(kBq);
-  float* tmp = cv.floats(max64(D, Dv));
+  st->Qr = cv.floats(W * D);
+  st->Or = cv.floats(W * Dv);
+  st->Ot = sc.Ot;
+  st->m = cv.floats(kBq);
+  st->l = cv.floats(kBq);
+  st->alpha = cv.floats(kBq);
   setup_tile(p, &t);
-  const int64_t np = t.np;
   // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
-  const bool narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
-  const int np2 = np2_for(t.n);
-  float* Qr = cv.floats(W * D);
-  float* Or = cv.floats(W * Dv);
-  float* zero_row = cv.floats(D);
-  const float** kr = reinterpret_cast<const float**>(cv.ints(kBk));
-  const float** vr = reinterpret_cast<const float**>(cv.ints(kBk));
-
-  for (int64_t c = 0; c < np; ++c) {
+  st->narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
+  st->np2 = np2_for(t.n);
+  for (int64_t c = 0; c < t.np; ++c) {
     bool sink = share == 0 && p.sinks && c < t.n && t.col_i[c] < t.qlen;
     // A sink is one more softmax column with logit sinks[h] and no value.
-    m[c] = sink ? p.sinks[t.b * p.sinks_batch_stride + t.col_h[c]] : -INFINITY;
-    l[c] = sink ? 1.0f : 0.0f;
+    st->m[c] = sink ? p.sinks[t.b * p.sinks_batch_stride + t.col_h[c]] : -INFINITY;
+    st->l[c] = sink ? 1.0f : 0.0f;
   }
-  float* O = narrow ? Or : Ot;
-  memset(O, 0, Dv * (narrow ? np2 : np) * sizeof(float));
-  // This task's share of the tile's key blocks.
+  memset(st->O(), 0, Dv * (st->narrow ? st->np2 : t.np) * sizeof(float));
+  // This share of the tile's key blocks.
   const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + kBk - 1) / kBk : 0;
-  const int64_t ka = t.KF + share * nblk / ctx.nsplit * kBk;
-  const int64_t kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
-  if (kb > ka) {
-    if (narrow) {
-      pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, D, tmp);
-      memset(zero_row, 0, D * sizeof(float));
-      memset(St, 0, kBk * np * sizeof(float));  // the padding columns stay finite
-    } else {
-      pack_rows(p, t, buf.q, p.q_stride, D, Qt, nullptr, 0, tmp);
+  st->ka = t.KF + share * nblk / ctx.nsplit * kBk;
+  st->kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
+  if (st->kb > st->ka)
+    pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
+}
+
+// Folds keys [j0, j0 + jn) into the tile's softmax state. Narrow tiles need the task's St
+// zeroed once (its padding columns stay finite) and sc.zero_row = 0.
+void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_t j0,
+                int64_t jn) {
+  const SdpaParams& p = *ctx.p;
+  const SdpaFwdBuffers& buf = *ctx.buf;
+  const Tile& t = st.t;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, np = t.np;
+  float* St = sc.St;
+  const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
+  if (seg == SegCover::kNone) return;  // no query of the tile meets a key of the block
+  const int64_t nruns = key_runs(p, t.b, t.hk, j0, jn, sc.runs);
+  const KeyRun* runs = sc.runs;
+  bool hidden_runs = false;
+  for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
+  const bool f32 = p.dtype == DType::kF32;
+  // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
+  // scratch (zeros for hidden runs) and used as one run.
+  if (st.narrow) {
+    if (!f32) load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
+    for (int64_t r = 0; r < nruns; ++r)
+      for (int64_t j = 0; j < runs[r].n; ++j) {
+        const int64_t jj = runs[r].j + j;
+        if (runs[r].k < 0) {
+          sc.kr[jj] = sc.vr[jj] = nullptr;
+        } else if (f32) {
+          sc.kr[jj] = static_cast<const float*>(buf.k) + runs[r].k + j * p.k_stride[2];
+          sc.vr[jj] = static_cast<const float*>(buf.v) + runs[r].v + j * p.v_stride[2];
+        } else {
+          sc.kr[jj] = sc.Kf + jj * D;
+          sc.vr[jj] = sc.Vf + jj * Dv;
+        }
+      }
+    narrow_scores_any(st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np);
+    for (int64_t j = 0; j < jn; ++j)  // V rows in flight during the softmax
+      if (sc.vr[j])
+        for (int64_t d = 0; d < Dv; d += 64 / sizeof(float)) __builtin_prefetch(sc.vr[j] + d);
+  } else if (f32) {
+    const float* kp = static_cast<const float*>(buf.k);
+    for (int64_t r = 0; r < nruns; ++r) {
+      if (runs[r].k < 0) continue;
+      gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, sc.Qt, np, St + runs[r].j * np,
+           np, false);
     }
-    const bool f32 = p.dtype == DType::kF32;
-    for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
-      const int64_t jn = min64(kBk, kb - j0);
-      const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
-      if (seg == SegCover::kNone) continue;  // no query of the tile meets a key of the block
-      const int64_t nruns = key_runs(p, t.b, t.hk, j0, jn, runs);
-      bool hidden_runs = false;
-      for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
-      // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
-      // scratch (zeros for hidden runs) and used as one run.
-      if (narrow) {
-        if (!f32) load_block_rows(p, buf, runs, nruns, Kf, Vf);
-        for (int64_t r = 0; r < nruns; ++r)
-          for (int64_t j = 0; j < runs[r].n; ++j) {
-            const int64_t jj = runs[r].j + j;
-            if (runs[r].k < 0) {
-              kr[jj] = vr[jj] = nullptr;
-            } else if (f32) {
-              kr[jj] = static_cast<const float*>(buf.k) + runs[r].k + j * p.k_stride[2];
-              vr[jj] = static_cast<const float*>(buf.v) + runs[r].v + j * p.v_stride[2];
-            } else {
-              kr[jj] = Kf + jj * D;
-              vr[jj] = Vf + jj * Dv;
-            }
-          }
-        narrow_scores_any(np2, D, kr, jn, Qr, D, zero_row, St, np);
-        for (int64_t j = 0; j < jn; ++j)  // V rows in flight during the softmax
-          if (vr[j])
-            for (int64_t d = 0; d < Dv; d += 64 / sizeof(float)) __builtin_prefetch(vr[j] + d);
-      } else if (f32) {
-        const float* kp = static_cast<const float*>(buf.k);
-        for (int64_t r = 0; r < nruns; ++r) {
-          if (runs[r].k < 0) continue;
-          gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, Qt, np, St + runs[r].j * np,
-               np, false);
-        }
-      } else {
-        load_block_rows(p, buf, runs, nruns, Kf, Vf);
-        gemm(jn, np, D, Kf, D, 1, Qt, np, St, np, false);
-      }
-      scale_and_mask(p, t, j0, jn, St, seg, nullptr);
-      if (hidden_runs)
-        for (int64_t r = 0; r < nruns; ++r)
-          if (runs[r].k < 0)
-            for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x)
-              St[x] = -INFINITY;
-      for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
-        vf mx = splat(-INFINITY);
-        for (int64_t j = 0; j < jn; ++j) mx = vmax(mx, loadv(St + j * np + c0));
-        vf mo = loadv(m + c0);
-        vf mn = vmax(mo, mx);
-        vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
-        vf al = vexp(mo - mu);
-        vf sum = vf{};
-        for (int64_t j = 0; j < jn; ++j) {
-          vf e = vexp(loadv(St + j * np + c0) - mu);
-          storev(St + j * np + c0, e);
-          sum += e;
-        }
-        storev(l + c0, loadv(l + c0) * al + sum);
-        storev(m + c0, mn);
-        storev(alpha + c0, al);
-      }
-      if (narrow) {  // O = alpha * O + P · V
-        narrow_values_any(np2, Dv, vr, jn, St, np, alpha, Or, Dv);
-        continue;
-      }
-      for (int64_t d = 0; d < Dv; ++d)
-        for (int64_t c0 = 0; c0 < np; c0 += W)
-          storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
-      // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
-      if (f32) {
-        const float* vp = static_cast<const float*>(buf.v);
-        for (int64_t r = 0; r < nruns; ++r) {
-          if (runs[r].k < 0) continue;
-          gemm(Dv, np, runs[r].n, vp + runs[r].v, 1, p.v_stride[2], St + runs[r].j * np, np, Ot,
-               np, true);
-        }
-      } else {
-        gemm(Dv, np, jn, Vf, 1, Dv, St, np, Ot, np, true);
-      }
-    }
+  } else {
+    load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
+    gemm(jn, np, D, sc.Kf, D, 1, sc.Qt, np, St, np, false);
   }
+  scale_and_mask(p, t, j0, jn, St, seg, nullptr);
+  if (hidden_runs)
+    for (int64_t r = 0; r < nruns; ++r)
+      if (runs[r].k < 0)
+        for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x) St[x] = -INFINITY;
+  float *m = st.m, *l = st.l, *alpha = st.alpha;
+  for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
+    vf mx = splat(-INFINITY);
+    for (int64_t j = 0; j < jn; ++j) mx = vmax(mx, loadv(St + j * np + c0));
+    vf mo = loadv(m + c0);
+    vf mn = vmax(mo, mx);
+    vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
+    vf al = vexp(mo - mu);
+    vf sum = vf{};
+    for (int64_t j = 0; j < jn; ++j) {
+      vf e = vexp(loadv(St + j * np + c0) - mu);
+      storev(St + j * np + c0, e);
+      sum += e;
+    }
+    storev(l + c0, loadv(l + c0) * al + sum);
+    storev(m + c0, mn);
+    storev(alpha + c0, al);
+  }
+  if (st.narrow) {  // O = alpha * O + P · V
+    narrow_values_any(st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
+    return;
+  }
+  float* Ot = st.Ot;
+  for (int64_t d = 0; d < Dv; ++d)
+    for (int64_t c0 = 0; c0 < np; c0 += W)
+      storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
+  // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
+  if (f32) {
+    const float* vp = static_cast<const float*>(buf.v);
+    for (int64_t r = 0; r < nruns; ++r) {
+      if (runs[r].k < 0) continue;
+      gemm(Dv, np, runs[r].n, vp + runs[r].v, 1, p.v_stride[2], St + runs[r].j * np, np, Ot, np,
+           true);
+    }
+  } else {
+    gemm(Dv, np, jn, sc.Vf, 1, Dv, St, np, Ot, np, true);
+  }
+}
+
+// Writes the tile's rows (out = O / l, lse = m + log l) once its last share is in. task: this
+// share's task id, tile_task: the tile's (tile_task * nsplit + share = task).
+void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_t task,
+                 int64_t tile_task) {
+  const SdpaParams& p = *ctx.p;
+  const Tile& t = st.t;
+  const int64_t Dv = p.head_dim_v;
+  float *m = st.m, *l = st.l, *O = st.O(), *tmp = sc.tmp;
+  const bool narrow = st.narrow;
   if (ctx.nsplit > 1) {  // leave this share's state; the last share of the tile merges
     float* mine = ctx.part + task * ctx.part_floats;
     memcpy(mine, m, t.n * sizeof(float));
     memcpy(mine + kBq, l, t.n * sizeof(float));
-    memcpy(mine + 2 * kBq, O, Dv * (narrow ? np2 : np) * sizeof(float));
+    memcpy(mine + 2 * kBq, O, Dv * (narrow ? st.np2 : t.np) * sizeof(float));
     if (__atomic_add_fetch(&ctx.done[tile_task], 1, __ATOMIC_ACQ_REL) != ctx.nsplit) return;
     merge_shares(ctx, tile_task, t, narrow, m, l, O);
   }
-  // Finalize: out = O / l, lse = m + log l; nothing visible (l == 0) -> 0 and -inf. A NaN
-  // score made l NaN: the row is NaN (l > 0 would call it empty).
+  // Nothing visible (l == 0) -> 0 and -inf. A NaN score made l NaN: the row is NaN (l > 0
+  // would call it empty).
   for (int64_t c = 0; c < t.n; ++c) {
     const int64_t i = t.col_i[c], h = t.col_h[c];
     const int64_t oidx = t.b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
-    float* lse = buf.lse + (t.b * p.heads_q + h) * p.len_q + i;
+    float* lse = ctx.buf->lse + (t.b * p.heads_q + h) * p.len_q + i;
     const bool live = i < t.qlen && l[c] != 0.0f;
     *lse = live ? m[c] + logf(l[c]) : -INFINITY;
     if (live && t.KL > t.KF) {
-      for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? Or[c * Dv + d] : Ot[d * np + c];
-      store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? O[c * Dv + d] : O[d * t.np + c];
+      store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
     } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
-      store_row(buf.out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+      store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
     } else {
-      store_zeros(buf.out, p.dtype, oidx, Dv);
+      store_zeros(ctx.buf->out, p.dtype, oidx, Dv);
     }
+  }
+}
+
+// A task is one key share of a group of tiles: the same rows of group_heads consecutive kv
+// heads of one batch row (one head unless decode reads a slot-major cache, where the heads'
+// rows share each key's memory: walking them together streams it in order instead of one
+// strided head at a time), key block by key block.
+void fwd_task(void* vctx, int64_t task, int participant) {
+  const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
+  const SdpaParams& p = *ctx.p;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, Hk = p.heads_kv, gh = ctx.group_heads;
+  const int64_t groups = (Hk + gh - 1) / gh;  // per batch row
+  const int64_t BH = p.batch * Hk, BG = p.batch * groups;
+  // Heaviest tiles (latest queries under a causal band) first.
+  const int64_t share = task % ctx.nsplit, group_task = task / ctx.nsplit;
+  const int64_t tile = ctx.tiles - 1 - group_task / BG, bg = group_task % BG;
+  const int64_t b = bg / groups, hk0 = bg % groups * gh, nh = min64(gh, Hk - hk0);
+
+  Carver cv{ctx.arena.base + ctx.arena.per * participant};
+  const BlockScratch sc = carve_block_scratch(cv, D, Dv);
+  TileState states[kGroupHeads];
+  bool narrow = false;
+  int64_t ka = INT64_MAX, kb = 0;
+  for (int64_t h = 0; h < nh; ++h) {
+    start_tile(ctx, b, hk0 + h, tile, share, cv, sc, &states[h]);
+    narrow |= states[h].narrow;
+    ka = min64(ka, states[h].ka);
+    kb = max64(kb, states[h].kb);
+  }
+  if (narrow) {
+    memset(sc.zero_row, 0, D * sizeof(float));
+    memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));
+  }
+  for (int64_t j0 = ka; j0 < kb; j0 += kBk)
+    for (int64_t h = 0; h < nh; ++h) {
+      TileState& st = states[h];
+      if (j0 >= st.ka && j0 < st.kb) tile_block(ctx, st, sc, j0, min64(kBk, st.kb - j0));
+    }
+  const int64_t tile_base = (ctx.tiles - 1 - tile) * BH + b * Hk;
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t tile_task = tile_base + hk0 + h;
+    finish_tile(ctx, states[h], sc, tile_task * ctx.nsplit + share, tile_task);
   }
 }
 // ---- backward ---------------------------------------------------------------------
@@ -1029,22 +1114,27 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   ctx.buf = &buf;
   ctx.tiles = (rows + kBq - 1) / kBq;
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  size_t per = 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
-               (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(W * D) + floats_bytes(W * Dv) +
-               floats_bytes(D) + 2 * (size_t)round_up(kBk * 8, 64) + floats_bytes(D * kBq) +
-               floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) + floats_bytes(kBk * D) +
-               floats_bytes(kBk * Dv) + 3 * floats_bytes(kBq) + floats_bytes(max64(D, Dv));
+  // Decode (narrow tiles) from a slot-major cache: a task walks up to kGroupHeads kv heads
+  // together, so each key's rows of all of them are read at once (one head at a time would
+  // stride over them, a TLB entry and a prefetch stream per key).
+  const bool narrow = rows <= kNarrow && D % W == 0 && Dv % W == 0;
+  const bool slot_major = abs64(p.k_stride[1]) < abs64(p.k_stride[2]);
+  ctx.group_heads = narrow && slot_major ? min64(p.heads_kv, kGroupHeads) : 1;
   const int parts = pool.participants();
+  const size_t per = block_scratch_bytes(D, Dv) + ctx.group_heads * tile_state_bytes(D, Dv);
   if (!arena_alloc(&ctx.arena, per, parts)) return "jax_sdpa cpu: out of memory (forward scratch)";
   if (!seg_blocks_build(p, &ctx.segs)) {
     free(ctx.arena.base);
     return "jax_sdpa cpu: out of memory (segment ranges)";
   }
-  const int64_t tile_tasks = p.batch * p.heads_kv * ctx.tiles;
-  if (parts > 1 && tile_tasks < 4 * parts) {
-    ctx.nsplit = max64(1, min64(min64((4 * parts + tile_tasks - 1) / tile_tasks,
-                                      p.len_kv / kSplitKeys), 16));
+  const int64_t groups = (p.heads_kv + ctx.group_heads - 1) / ctx.group_heads;
+  const int64_t group_tasks = p.batch * groups * ctx.tiles;
+  if (parts > 1 && group_tasks < 4 * parts) {
+    // A share holds at least kSplitKeys key rows (keys times the heads walked together).
+    ctx.nsplit = max64(1, min64(min64((4 * parts + group_tasks - 1) / group_tasks,
+                                      p.len_kv * ctx.group_heads / kSplitKeys), 16));
   }
+  const int64_t tile_tasks = p.batch * p.heads_kv * ctx.tiles;
   if (ctx.nsplit > 1) {
     ctx.part_floats = 2 * kBq + kBq * Dv;
     ctx.part = static_cast<float*>(malloc(tile_tasks * ctx.nsplit * ctx.part_floats * 4));
@@ -1057,7 +1147,7 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
       ctx.nsplit = 1;  // no room for the shares: unsplit
     }
   }
-  pool.parallel_for(tile_tasks * ctx.nsplit, fwd_task, &ctx);
+  pool.parallel_for(group_tasks * ctx.nsplit, fwd_task, &ctx);
   free(ctx.arena.base);
   free(ctx.segs.lo);
   free(ctx.part);

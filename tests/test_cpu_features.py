@@ -308,6 +308,51 @@ def test_keys_split_across_threads(shape, rng):
     assert np.isfinite(out[0, g:]).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 40, 20, 1, 1500, 32), (1, 12, 3, 2, 2100, 16),
+                                   (3, 8, 8, 1, 90, 64)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_decode_from_a_slot_major_cache(shape, dtype, rng):
+    """Decode from [B, L, H, D] (jax.nn's layout): a task walks up to 16 kv heads of a batch
+    row together (20 heads: a group of 16 and one of 4), keys split into shares or not; per-row
+    lengths (one 0), sinks; a NaN key reaches only its kv head's rows, a NaN past the length
+    none."""
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, lq, hq, d), _normal(rng, b, lk, hk, d), _normal(rng, b, lk, hk, d)
+    if dtype == "bfloat16":
+        q, k, v = (np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
+    kvl = rng.integers(lk // 2, lk + 1, size=b).astype(np.int32)
+    kvl[-1] = 0 if b > 1 else kvl[-1]
+    k[0, kvl[0]:, :] = np.nan  # past row 0's length: never read
+    v[0, kvl[0]:, :] = np.nan
+    k[-1, :, hk - 1] = np.nan if b == 1 else 0.0  # b == 1: kv head hk-1 only
+    sinks = _normal(rng, 1, hq)
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks, bottom_right=True,
+              window_right=0, seq_major=True)
+    operands, attrs = ffi_call_args(**kw)
+    dt = jnp.dtype(dtype)
+    results = (jax.ShapeDtypeStruct((b, lq, hq, d), dt), jax.ShapeDtypeStruct((b, hq, lq),
+                                                                               jnp.float32))
+    call = jax.ffi.ffi_call("jax_sdpa_cpu_fwd", results)
+    out, lse = jax.jit(lambda *a: call(*a, **attrs))(*(jnp.asarray(x, dt) for x in (q, k, v)),
+                                                      *operands)
+    out = np.asarray(out.astype(jnp.float32)).transpose(0, 2, 1, 3)
+    lse = np.asarray(lse)
+    q64, k64, v64 = (x.transpose(0, 2, 1, 3).astype(np.float64) for x in (q, k, v))
+    k64, v64 = np.nan_to_num(k64, nan=0.0), np.nan_to_num(v64, nan=0.0)
+    want, want_lse = oracle.forward(q64, k64, v64, scale=1 / np.sqrt(d),
+                                    sinks=sinks.astype(np.float64), kv_lengths=kvl,
+                                    window_right=0, bottom_right=True)
+    g = hq // hk
+    finite = np.ones(hq, bool)
+    if b == 1:
+        finite[(hk - 1) * g:] = False
+        assert np.isnan(out[-1, ~finite]).all() and np.isnan(lse[-1, ~finite]).all()
+    tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
+    assert _rel(out[:, finite], want[:, finite]) <= tol
+    np.testing.assert_allclose(lse[:, finite], want_lse[:, finite], rtol=0, atol=2e-5)
+
+
 # ---------------------------------------------------------------------------
 # the paged forward (pages read in place)
 
