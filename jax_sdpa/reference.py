@@ -404,6 +404,48 @@ def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, q_segme
     return s, vis, slope
 
 
+def _keys_major(x, shape):
+    """x broadcastable to [B, Hk, G, Lq, block] -> [B, Hk, block, G * Lq]."""
+    b, hk, g, lq, block = shape
+    x = jnp.broadcast_to(x, shape)
+    return jnp.transpose(x, (0, 1, 4, 2, 3)).reshape(b, hk, block, g * lq)
+
+
+def _block_scores_keys_major(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                             q_segment_ids, seg_b, shape, precision, acc, query_index=None):
+    """_block_scores laid out [B, Hk, block, G * Lq]: keys major, the group's query rows minor.
+    In this layout every product of the backward with P or dS (dK = dS^T Q, dV = P^T dO,
+    dQ^T = K^T dS^T) reads it in place; the query-major layout needs a transposed copy of
+    two score-sized arrays per block, which XLA's CPU backend fuses into the elementwise
+    work of dS and P and runs several times slower."""
+    b, hq, hk, lq, lk = shape
+    g, lq_t, d = qg.shape[2], qg.shape[3], qg.shape[4]
+    q_rows = qg.reshape(b, hk, g * lq_t, d)
+    scale = jnp.asarray(params.scale, acc)
+    dims = (((3,), (3,)), ((0, 1), (0, 1)))
+    if qg.dtype == acc:  # scaled before the product, as in _scaled_dots
+        s = lax.dot_general(kb, q_rows * scale, dims, precision=precision,
+                            preferred_element_type=acc)
+    else:
+        s = lax.dot_general(kb, q_rows, dims, precision=precision,
+                            preferred_element_type=acc) * scale
+    s = _soft_cap(s, params)
+    slope = _soft_cap_slope(s, params)
+    key_index = idx * block + jnp.arange(block)
+    vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=seg_b,
+                     query_index=query_index)[:, :, None]
+    vis = vis & (key_index < lk).reshape(1, 1, 1, 1, block)
+    full = (b, hk, g, lq_t, block)
+    if mb is not None:
+        mg = _mask_grouped(mb, hq, hk)
+        if mb.dtype == jnp.bool_:
+            vis = vis & mg
+        else:
+            s = s + _keys_major(mg.astype(acc), full)
+    return s, _keys_major(vis, full), slope
+
+
 def _carry_zero(acc, *operands):
     """A scalar 0 of dtype acc that varies over the manual mesh axes of every operand (inside
     shard_map a scan's initial carry must have the varying axes of what the body returns).
@@ -444,6 +486,12 @@ def _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk):
     return meet.any(axis=0)
 
 
+def _index_blocks(blocks, i):
+    """Block i of each of a tuple of blocked arrays (None stays None)."""
+    return tuple(None if x is None else lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+                 for x in blocks)
+
+
 def _unblock(x, axis, length):
     """Inverse of _blocks: [nblocks, ..., block, ...] -> [..., length, ...]."""
     x = jnp.moveaxis(x, 0, axis)
@@ -472,14 +520,16 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                        kv_segment_ids)
 
     def initial(rows):
-        """The running max, sum and output of `rows` queries before any key."""
+        """The running max and sum [B, Hk, G * rows] and output O^T [B, Hk, Dv, G * rows] of
+        `rows` queries before any key (keys-major blocks: _block_scores_keys_major)."""
         m0 = jnp.full((b, hk, g, rows), NEG_INF, acc) + zero
         if sinks is not None:
             m0 = _sink_logits(sinks, hk, acc) + jnp.zeros((b, hk, g, rows), acc) + zero
             l0 = jnp.where(m0 == NEG_INF, jnp.zeros((), acc), jnp.ones((), acc))
         else:
             l0 = jnp.zeros((b, hk, g, rows), acc) + zero
-        return m0, l0, jnp.zeros((b, hk, g, rows, dv_), acc) + zero
+        return (m0.reshape(b, hk, g * rows), l0.reshape(b, hk, g * rows),
+                jnp.zeros((b, hk, dv_, g * rows), acc) + zero)
 
     def over_keys(qg_t, qseg_t, query_index, meets):
         """The online softmax of queries qg_t (all, or one block at query_index) over every
@@ -488,17 +538,18 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
             m_run, l_run, o_run = carry
             idx, kb, vb, seg_b = xs[:4]
             mb = xs[4] if mask_per_block else mask
-            s, vis, _ = _block_scores(qg_t, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                                      qseg_t, seg_b, (b, hq, hk, lq, lk), precision, acc,
-                                      query_index)
+            s, vis, _ = _block_scores_keys_major(qg_t, kb, mb, idx, block, params, q_lengths,
+                                                 kv_lengths, qseg_t, seg_b,
+                                                 (b, hq, hk, lq, lk), precision, acc,
+                                                 query_index)
             s = jnp.where(vis, s, NEG_INF)
-            m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
+            m_new = jnp.maximum(m_run, jnp.max(s, axis=2))
             m_safe = _shift(m_new)
             alpha = _exp_below(m_run - m_safe)
-            p = _exp_below(s - m_safe[..., None])
-            l_new = l_run * alpha + jnp.sum(p, axis=-1)
-            o_new = o_run * alpha[..., None] + jnp.einsum(
-                "bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), vb,
+            p = _exp_below(s - m_safe[:, :, None])
+            l_new = l_run * alpha + jnp.sum(p, axis=2)
+            o_new = o_run * alpha[:, :, None] + lax.dot_general(
+                vb, p.astype(_pv_dtype(v.dtype, acc)), (((2,), (2,)), ((0, 1), (0, 1))),
                 precision=precision, preferred_element_type=acc)
             return (m_new, l_new, o_new), None
 
@@ -506,13 +557,23 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
         if meets is None:
             return lax.scan(step, carry, xs)[0]
 
-        def step_if_meets(carry, xs_meet):
-            xs_t, meet = xs_meet
-            return lax.cond(meet, lambda c: step(c, xs_t)[0], lambda c: c, carry), None
-        return lax.scan(step_if_meets, carry, (xs, meets))[0]
+        def step_if_meets(carry, c_meet):
+            c, meet = c_meet
+            # the block is sliced inside the branch: a skipped block copies nothing
+            return lax.cond(meet, lambda m: step(m, _index_blocks(xs, c))[0], lambda m: m,
+                            carry), None
+        return lax.scan(step_if_meets, carry, (jnp.arange(nk), meets))[0]
+
+    def query_major(state, rows):
+        """(m, l [..., B, Hk, G * rows], O^T [..., B, Hk, Dv, G * rows]) -> [..., B, Hk, G,
+        rows(, Dv)]."""
+        m, l_, o = state
+        lead = m.shape[:-3]
+        o = jnp.moveaxis(o.reshape(lead + (b, hk, dv_, g, rows)), -3, -1)
+        return m.reshape(lead + (b, hk, g, rows)), l_.reshape(lead + (b, hk, g, rows)), o
 
     if not tiles:
-        m_run, l_run, o_run = over_keys(qg, q_segment_ids, None, None)
+        m_run, l_run, o_run = query_major(over_keys(qg, q_segment_ids, None, None), lq)
     else:
         nq = -(-lq // block)
         meet = _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk)
@@ -520,7 +581,7 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
         per_block = lax.map(lambda t: over_keys(*t), (
             _blocks(qg, 3, block, nq), _blocks(q_segment_ids, 1, block, nq), query_index,
             meet))
-        m_run, l_run, o_run = (_unblock(x, 3, lq) for x in per_block)
+        m_run, l_run, o_run = (_unblock(x, 3, lq) for x in query_major(per_block, block))
     lse = _lse_from(_shift(m_run), l_run)
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
@@ -556,31 +617,46 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
                        q_segment_ids, kv_segment_ids)
 
     def tile(kxs, qxs):
-        """dQ of queries qxs (all, or one block) from key block kxs, and that block's dK, dV
-        contributions (float acc)."""
+        """dQ^T [B, Hk, D, G * rows] of queries qxs (all, or one block) from key block kxs,
+        and that block's dK, dV contributions (float acc), all keys major."""
         idx, kb, vb, seg_b = kxs[:4]
         mb = kxs[4] if mask_per_block else mask
         qg_t, dout_t, lse_t, delta_t, qseg_t, query_index = qxs
-        s, vis, slope = _block_scores(qg_t, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                                      qseg_t, seg_b, (b, hq, hk, lq, lk), precision, acc,
-                                      query_index)
-        dp = jnp.einsum("bkgid,bkjd->bkgij", dout_t, vb, precision=precision,
-                        preferred_element_type=acc)
-        p, _, ds = _probs_dscores_block(s, vis, lse_t, dp, delta_t, slope, acc)
-        dq = jnp.einsum("bkgij,bkjd->bkgid", ds, kb, precision=precision,
-                        preferred_element_type=acc) * scale
-        dkb = jnp.einsum("bkgij,bkgid->bkjd", ds, qg_t, precision=precision,
-                         preferred_element_type=acc) * scale
-        dvb = jnp.einsum("bkgij,bkgid->bkjd", p, dout_t, precision=precision,
-                         preferred_element_type=acc)
-        return dq, dkb, dvb
+        rows = qg_t.shape[2] * qg_t.shape[3]
+        s, vis, slope = _block_scores_keys_major(qg_t, kb, mb, idx, block, params, q_lengths,
+                                                 kv_lengths, qseg_t, seg_b,
+                                                 (b, hq, hk, lq, lk), precision, acc,
+                                                 query_index)
+        q_rows = qg_t.reshape(b, hk, rows, d)
+        dout_rows = dout_t.reshape(b, hk, rows, dout_t.shape[-1])
+        batch = ((0, 1), (0, 1))
+        dp = lax.dot_general(vb, dout_rows, (((3,), (3,)), batch), precision=precision,
+                             preferred_element_type=acc)
+        p, _, ds = _probs_dscores_block(s, vis, lse_t.reshape(b, hk, 1, rows), dp,
+                                        delta_t.reshape(b, hk, 1, rows), slope, acc)
+        by_rows = (((3,), (2,)), batch)
+        dkb = lax.dot_general(ds, q_rows, by_rows, precision=precision,
+                              preferred_element_type=acc) * scale
+        dvb = lax.dot_general(p, dout_rows, by_rows, precision=precision,
+                              preferred_element_type=acc)
+        dq_t = lax.dot_general(kb, ds, (((2,), (2,)), batch), precision=precision,
+                               preferred_element_type=acc) * scale
+        return dq_t, dkb, dvb
+
+    def query_major(dq_t, lq_t):
+        """dQ^T [..., B, Hk, D, G * lq_t] -> [..., B, Hk, G, lq_t, D]."""
+        lead = dq_t.shape[:-4]
+        x = dq_t.reshape(lead + (b, hk, d, hq // hk, lq_t))
+        return jnp.moveaxis(x, -3, -1)
 
     if not tiles:
         def step(dq, kxs):
             dq_b, dkb, dvb = tile(kxs, (qg, dout_g, lse_g, delta, q_segment_ids, None))
             return dq + dq_b, (dkb.astype(k.dtype), dvb.astype(v.dtype))
 
-        dq, (dk_blocks, dv_blocks) = lax.scan(step, jnp.zeros(qg.shape, acc) + zero, xs)
+        dq_t0 = jnp.zeros((b, hk, d, hq // hk * lq), acc) + zero
+        dq_t, (dk_blocks, dv_blocks) = lax.scan(step, dq_t0, xs)
+        dq = query_major(dq_t, lq)
     else:
         # Outer loop over key blocks (each emits its dK, dV), inner over query blocks; a
         # pair whose segments can't meet is skipped.
@@ -595,23 +671,26 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
         def key_step(dq_blocks, kxs_meets):
             kxs, meets = kxs_meets
 
-            def query_step(dkv, qxs_meet):
-                qxs_t, meet_t = qxs_meet
+            def query_step(carry, t_meet):
+                t, meet_t = t_meet
 
-                def run(dkv):
-                    dq_t, dkb, dvb = tile(kxs, qxs_t)
-                    return (dkv[0] + dkb, dkv[1] + dvb), dq_t
+                def run(carry):
+                    (dk_acc, dv_acc), dq_blocks = carry
+                    # the query block is sliced inside the branch: a skipped pair copies
+                    # nothing, and its dQ block is updated in place
+                    dq_t, dkb, dvb = tile(kxs, _index_blocks(qxs, t))
+                    dq_cur = lax.dynamic_index_in_dim(dq_blocks, t, 0, keepdims=False)
+                    dq_blocks = lax.dynamic_update_index_in_dim(dq_blocks, dq_cur + dq_t, t, 0)
+                    return (dk_acc + dkb, dv_acc + dvb), dq_blocks
+                return lax.cond(meet_t, run, lambda c: c, carry), None
 
-                def skip(dkv):
-                    return dkv, jnp.zeros(qxs_t[0].shape, acc) + zero
-                return lax.cond(meet_t, run, skip, dkv)
+            (dkv, dq_blocks), _ = lax.scan(query_step, (dkv0, dq_blocks),
+                                           (jnp.arange(nq), meets))
+            return dq_blocks, (dkv[0].astype(k.dtype), dkv[1].astype(v.dtype))
 
-            (dkb, dvb), dq_c = lax.scan(query_step, dkv0, (qxs, meets))
-            return dq_blocks + dq_c, (dkb.astype(k.dtype), dvb.astype(v.dtype))
-
-        dq_blocks0 = jnp.zeros(qxs[0].shape, acc) + zero
+        dq_blocks0 = jnp.zeros((nq, b, hk, d, hq // hk * block), acc) + zero
         dq_blocks, (dk_blocks, dv_blocks) = lax.scan(key_step, dq_blocks0, (xs, meet.T))
-        dq = _unblock(dq_blocks, 3, lq)
+        dq = _unblock(query_major(dq_blocks, block), 3, lq)
 
     dk, dv = _unblock(dk_blocks, 2, lk), _unblock(dv_blocks, 2, lk)
     dq = dq.reshape(b, hq, lq, d).astype(q.dtype)
