@@ -353,6 +353,30 @@ def test_decode_from_a_slot_major_cache(shape, dtype, rng):
     np.testing.assert_allclose(lse[:, finite], want_lse[:, finite], rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 16, 70, 130, 64), (2, 32, 8, 65, 200, 128)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
+def test_prefill_from_rows_a_page_apart(shape, rng):
+    """[B, L, H, D] with a key's rows of all heads 4 KiB or more: K and V blocks are copied
+    into contiguous scratch before the products; an additive mask, lengths, NaN past them."""
+    b, hq, hk, lq, lk, d = shape
+    q, k, v = _normal(rng, b, lq, hq, d), _normal(rng, b, lk, hk, d), _normal(rng, b, lk, hk, d)
+    kvl = rng.integers(lk // 2, lk + 1, size=b).astype(np.int32)
+    k[0, kvl[0]:] = np.nan
+    v[0, kvl[0]:] = np.nan
+    bias = _normal(rng, 1, hq, lq, lk)
+    operands, attrs = ffi_call_args(scale=1 / np.sqrt(d), kv_lengths=kvl, mask=bias,
+                                    seq_major=True)
+    results = (jax.ShapeDtypeStruct((b, lq, hq, d), jnp.float32),
+               jax.ShapeDtypeStruct((b, hq, lq), jnp.float32))
+    call = jax.ffi.ffi_call("jax_sdpa_cpu_fwd", results)
+    out, lse = jax.jit(lambda *a: call(*a, **attrs))(q, k, v, *operands)
+    q64, k64, v64 = (np.nan_to_num(x.transpose(0, 2, 1, 3).astype(np.float64)) for x in (q, k, v))
+    want, want_lse = oracle.forward(q64, k64, v64, scale=1 / np.sqrt(d), kv_lengths=kvl,
+                                    mask=bias.astype(np.float64))
+    assert _rel(np.asarray(out).transpose(0, 2, 1, 3), want) <= RTOL
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=0, atol=2e-5)
+
+
 # ---------------------------------------------------------------------------
 # the paged forward (pages read in place)
 
