@@ -684,9 +684,6 @@ struct FwdCtx {
   SegBlocks segs;
   int64_t tiles;  // per (b, hk)
   int64_t group_heads = 1;  // kv heads a task walks together (fwd_task)
-  // float32 K and V rows of a block copied into contiguous scratch before the products
-  // (rows a page apart), else read in place.
-  bool copy_rows = false;
   // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
   // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
   // state in part; the share that finishes last (done[tile] counts them) merges them.
@@ -851,7 +848,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     for (int64_t j = 0; j < jn; ++j)  // V rows in flight during the softmax
       if (sc.vr[j])
         for (int64_t d = 0; d < Dv; d += 64 / sizeof(float)) __builtin_prefetch(sc.vr[j] + d);
-  } else if (f32 && !ctx.copy_rows) {
+  } else if (f32) {
     const float* kp = static_cast<const float*>(buf.k);
     for (int64_t r = 0; r < nruns; ++r) {
       if (runs[r].k < 0) continue;
@@ -894,7 +891,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     for (int64_t c0 = 0; c0 < np; c0 += W)
       storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
   // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
-  if (f32 && !ctx.copy_rows) {
+  if (f32) {
     const float* vp = static_cast<const float*>(buf.v);
     for (int64_t r = 0; r < nruns; ++r) {
       if (runs[r].k < 0) continue;
@@ -1127,9 +1124,33 @@ void dq_task(void* vctx, int64_t task, int participant) {
   }
 }
 
-}  // namespace
-
-const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
+// ---- head-major copies ------------------------------------------------------------
+// Prefill from a cache whose rows are a page or more apart (a slot-major cache with many
+// heads: one head's keys on a page each): every tile would read each key's K and V rows from
+// its own page, and the micro-kernel's broadcast loads miss the TLB and the prefetcher (B1 H24
+// D64 L4096 [B, L, H, D]: 677 ms against 444 head-major). Copying K and V head-major once a
+// call costs a pass over them.
+struct HeadMajorCopy {
+  const SdpaParams* p;
+  const void* src[2];
+  char* dst[2];
+  int64_t item, dim[2];
+  const int64_t* stride[2];
+};
+void head_major_task(void* vctx, int64_t task, int) {
+  const HeadMajorCopy& c = *static_cast<const HeadMajorCopy*>(vctx);
+  const SdpaParams& p = *c.p;
+  const int64_t b = task / p.heads_kv, h = task % p.heads_kv;
+  for (int x = 0; x < 2; ++x) {
+    const char* src = static_cast<const char*>(c.src[x]);
+    char* dst = c.dst[x] + (task * p.len_kv * c.dim[x]) * c.item;
+    for (int64_t j = 0; j < p.len_kv; ++j)
+      memcpy(dst + j * c.dim[x] * c.item,
+             src + (b * c.stride[x][0] + h * c.stride[x][1] + j * c.stride[x][2]) * c.item,
+             c.dim[x] * c.item);
+  }
+}
+const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
   const int64_t rows = p.len_q * p.group();
   if (p.batch == 0 || p.heads_q == 0 || rows == 0) return nullptr;
   FwdCtx ctx;
@@ -1144,11 +1165,6 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   const bool slot_major = abs64(p.k_stride[1]) < abs64(p.k_stride[2]);
   ctx.group_heads = narrow && slot_major ? min64(p.heads_kv, kGroupHeads) : 1;
   const int parts = pool.participants();
-  // Prefill from rows a page or more apart (a slot-major cache with many heads): the
-  // micro-kernel's broadcast loads of K and V would touch a page a row (1.5x slower at B1
-  // H24 D64 L4096 [B, L, H, D]); a copy is cheap beside the block's products. Closer rows
-  // are read in place (a copy cost 10% at H8/KV2 D128, rows 1 KiB apart).
-  ctx.copy_rows = !narrow && 4 * max64(abs64(p.k_stride[2]), abs64(p.v_stride[2])) >= 4096;
   const size_t per = block_scratch_bytes(D, Dv) + ctx.group_heads * tile_state_bytes(D, Dv);
   if (!arena_alloc(&ctx.arena, per, parts)) return "jax_sdpa cpu: out of memory (forward scratch)";
   if (!seg_blocks_build(p, &ctx.segs)) {
@@ -1181,6 +1197,34 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   free(ctx.part);
   free(ctx.done);
   return nullptr;
+}
+
+}  // namespace
+
+const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
+  const int64_t rows = p.len_q * p.group();
+  const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+  const bool narrow = rows <= kNarrow;  // decode walks heads together instead (fwd_task)
+  const bool far_rows = item * max64(abs64(p.k_stride[2]), abs64(p.v_stride[2])) >= 4096;
+  if (narrow || !far_rows || p.paged() || p.batch == 0 || p.heads_kv == 0 || p.len_kv == 0)
+    return forward_in_place(p, buf, pool);
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, BH = p.batch * p.heads_kv;
+  char* copy = static_cast<char*>(malloc((size_t)(BH * p.len_kv * (D + Dv) * item)));
+  if (!copy) return forward_in_place(p, buf, pool);  // no room: strided reads
+  HeadMajorCopy c{&p, {buf.k, buf.v}, {copy, copy + BH * p.len_kv * D * item}, item, {D, Dv},
+                  {p.k_stride, p.v_stride}};
+  pool.parallel_for(BH, head_major_task, &c);
+  SdpaParams hm = p;
+  const int64_t ks[3] = {p.heads_kv * p.len_kv * D, p.len_kv * D, D};
+  const int64_t vs[3] = {p.heads_kv * p.len_kv * Dv, p.len_kv * Dv, Dv};
+  memcpy(hm.k_stride, ks, sizeof ks);
+  memcpy(hm.v_stride, vs, sizeof vs);
+  SdpaFwdBuffers hb = buf;
+  hb.k = c.dst[0];
+  hb.v = c.dst[1];
+  const char* err = forward_in_place(hm, hb, pool);
+  free(copy);
+  return err;
 }
 
 const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool& pool) {
