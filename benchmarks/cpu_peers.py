@@ -5,9 +5,17 @@ bandwidth measured in the same run (decode rows report GB/s of K and V read).
 
 The peers are not dependencies: run it from a benchmark venv that has them, e.g.
   python3.11 -m venv --system-site-packages /tmp/bench && /tmp/bench/bin/pip install torch
-(mlx[cpu] comes with the test extras) with jax_sdpa importable. Each row times every peer
-interleaved (rounds of one call each), median; the load average is recorded per row.
-  python benchmarks/cpu_peers.py [--quick] [--json out.json]
+(mlx[cpu] comes with the test extras) with jax_sdpa importable. Each row times its peers in
+interleaved bursts: three rounds, in each a burst of calls of every peer in turn, each after a
+50 ms pause and with its first call untimed (another library's worker threads may still spin
+on every core right after its own calls, and a pool waking up is the burst's first call alone). Median over the
+timed calls; the load average is recorded per row.
+  python benchmarks/cpu_peers.py [--quick] [--json out.json] [--plot out.png]
+  python benchmarks/cpu_peers.py --plot out.png --from out.json   # plot a saved run
+  python benchmarks/cpu_peers.py --busy 2 ...   # with a competing load: stress-ng on 2 cores
+
+--busy N runs every row twice, quiet and with `stress-ng --cpu N` running (Debian's stress-ng),
+and reports each peer's slowdown (busy / quiet median).
 """
 
 from __future__ import annotations
@@ -120,6 +128,43 @@ def _row_fns(row, rng):
     return fns
 
 
+def _timed_bursts(fns, min_time, rounds=3):
+    """{peer: call times}: `rounds` rounds, each a burst of every peer's calls in turn (about
+    min_time / rounds seconds, at least one call) after a 50 ms pause; a burst's first call is
+    untimed."""
+    times = {p: [] for p in fns}
+    for _ in range(rounds):
+        for p, f in fns.items():
+            time.sleep(0.05)  # the previous library's spinning workers park
+            f()
+            start = time.perf_counter()
+            n = 0
+            while n < 1 or (time.perf_counter() - start < min_time / rounds and n < 100):
+                t0 = time.perf_counter()
+                f()
+                times[p].append(time.perf_counter() - t0)
+                n += 1
+    return times
+
+
+class _competing_load:
+    """`stress-ng --cpu n` for the duration of a with-block (a CPU-bound process a core)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        import subprocess
+        self.proc = subprocess.Popen(["stress-ng", "--cpu", str(self.n), "--quiet"])
+        time.sleep(1.0)  # its workers running
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait()
+        time.sleep(0.5)
+
+
 def _rows(quick):
     rows = []
 
@@ -153,12 +198,50 @@ def _rows(quick):
     return rows
 
 
+def plot(report, path):
+    """Per row: the best peer's median time / jax_sdpa's (above 1: jax_sdpa is faster)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels, speedups, names = [], [], []
+    for r in report["rows"]:
+        med = r["median_s"]
+        best = min((t, p) for p, t in med.items() if p != "jax_sdpa")
+        labels.append(r["name"])
+        speedups.append(best[0] / med["jax_sdpa"])
+        names.append(best[1])
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.6))
+    ax.barh(range(len(labels)), speedups,
+            color=["tab:green" if x >= 1 else "tab:red" for x in speedups])
+    for i, (x, n) in enumerate(zip(speedups, names)):
+        ax.text(x, i, f" {x:.2f}x {n}", va="center", fontsize=7)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(speedups) * 1.25)
+    meta = report["meta"]
+    ax.set_xlabel("best peer's time / jax_sdpa's (implementation=None), same run")
+    ax.set_title(f"{meta['cpus']}-core {meta['machine']} ({meta['isa']}), jax {meta['jax']}, "
+                 f"torch {meta['torch']}, MLX {meta['mlx']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per row and peer")
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="write a PNG: the best peer's time / ours per row")
+    ap.add_argument("--from", dest="from_json", help="plot this saved run instead of measuring")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="also time every row with stress-ng --cpu N running")
+    ap.add_argument("--rows", default="", help="substrings of row names (comma-separated)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            plot(json.load(f), a.plot)
+        return
     rng = np.random.default_rng(0)
     cpu = _ext.module("_sdpa_cpu")
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -171,25 +254,24 @@ def main(argv=None):
     print(f"read bandwidth {meta['read_bandwidth_gbs_start']:.1f} GB/s, load "
           f"{meta['load_start'][0]:.1f}", flush=True)
     results = []
+    wanted = [w for w in a.rows.split(",") if w]
     for row in _rows(a.quick):
+        if wanted and not any(w in row["name"] for w in wanted):
+            continue
         fns = _row_fns(row, rng)
         for f in fns.values():
             f()  # compile / warm
-        times = {p: [] for p in fns}
         load0 = os.getloadavg()[0]
-        start = time.perf_counter()
-        rounds = 0
-        while rounds < 3 or (time.perf_counter() - start < a.min_time * len(fns)
-                             and rounds < 200):
-            for p, f in fns.items():
-                t0 = time.perf_counter()
-                f()
-                times[p].append(time.perf_counter() - t0)
-            rounds += 1
+        times = _timed_bursts(fns, a.min_time)
         med = {p: statistics.median(t) for p, t in times.items()}
         item = 2 if row["dtype"] == "bfloat16" else 4
         kv_bytes = 2 * row["b"] * row["hk"] * row["lk"] * row["d"] * item
-        out = dict(row, median_s=med, rounds=rounds, load=load0)
+        out = dict(row, median_s=med, calls={p: len(t) for p, t in times.items()}, load=load0)
+        if a.busy:
+            with _competing_load(a.busy):
+                busy = {p: statistics.median(t) for p, t in _timed_bursts(fns, a.min_time).items()}
+            out["busy_median_s"] = busy
+            out["busy_slowdown"] = {p: busy[p] / med[p] for p in med}
         if row["lq"] == 1:
             out["kv_read_gbs"] = {p: kv_bytes / t / 1e9 for p, t in med.items()}
         results.append(out)
@@ -197,11 +279,17 @@ def main(argv=None):
         print(f"{row['name']:48s} " + "  ".join(f"{p} {t * 1e3:8.3f} ms" for p, t in med.items())
               + f"  | jax_sdpa / best peer ({best_peer[1]}) {med['jax_sdpa'] / best_peer[0]:.2f}"
               f"  (load {load0:.1f})", flush=True)
+        if a.busy:
+            print(f"{'  busy: slowdown':48s} " + "  ".join(
+                f"{p} {x:5.2f}x" for p, x in out["busy_slowdown"].items()), flush=True)
     meta["read_bandwidth_gbs_end"] = read_bandwidth_gbs()
     meta["load_end"] = os.getloadavg()
+    report = dict(meta=meta, rows=results)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(meta=meta, rows=results), f, indent=1)
+            json.dump(report, f, indent=1)
+    if a.plot:
+        plot(report, a.plot)
 
 
 if __name__ == "__main__":
