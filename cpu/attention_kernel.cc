@@ -1125,11 +1125,11 @@ void dq_task(void* vctx, int64_t task, int participant) {
 }
 
 // ---- head-major copies ------------------------------------------------------------
-// Prefill from a cache whose rows are a page or more apart (a slot-major cache with many
-// heads: one head's keys on a page each): every tile would read each key's K and V rows from
-// its own page, and the micro-kernel's broadcast loads miss the TLB and the prefetcher (B1 H24
-// D64 L4096 [B, L, H, D]: 677 ms against 444 head-major). Copying K and V head-major once a
-// call costs a pass over them.
+// Prefill from a slot-major cache ([B, L, H, D]): every tile would read each key's K and V
+// rows strided over the other heads' (a page a row with many heads), and the micro-kernel's
+// broadcast loads miss the TLB and the prefetcher (B1 H24 D64 L4096: 677 ms against 444
+// head-major; H8 D64 L4096 10% slower). Copying K and V head-major once a call costs a pass
+// over them.
 struct HeadMajorCopy {
   const SdpaParams* p;
   const void* src[2];
@@ -1204,9 +1204,11 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
 const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
   const int64_t rows = p.len_q * p.group();
   const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
-  const bool narrow = rows <= kNarrow;  // decode walks heads together instead (fwd_task)
-  const bool far_rows = item * max64(abs64(p.k_stride[2]), abs64(p.v_stride[2])) >= 4096;
-  if (narrow || !far_rows || p.paged() || p.batch == 0 || p.heads_kv == 0 || p.len_kv == 0)
+  // Worth a pass over K and V when at least four tiles a head read every key (decode and
+  // short calls read each key once: they read in place).
+  const bool many_tiles = rows > 4 * kBq;
+  const bool strided = abs64(p.k_stride[2]) != p.head_dim || abs64(p.v_stride[2]) != p.head_dim_v;
+  if (!many_tiles || !strided || p.paged() || p.batch == 0 || p.heads_kv == 0 || p.len_kv == 0)
     return forward_in_place(p, buf, pool);
   const int64_t D = p.head_dim, Dv = p.head_dim_v, BH = p.batch * p.heads_kv;
   char* copy = static_cast<char*>(malloc((size_t)(BH * p.len_kv * (D + Dv) * item)));

@@ -353,11 +353,13 @@ def test_decode_from_a_slot_major_cache(shape, dtype, rng):
     np.testing.assert_allclose(lse[:, finite], want_lse[:, finite], rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("shape", [(1, 16, 16, 70, 130, 64), (2, 32, 8, 65, 200, 128)],
+@pytest.mark.parametrize("shape", [(1, 16, 16, 300, 130, 64), (2, 32, 8, 65, 200, 128),
+                                   (1, 4, 2, 40, 90, 32)],
                          ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
-def test_prefill_from_rows_a_page_apart(shape, rng):
-    """[B, L, H, D] with a key's rows of all heads 4 KiB or more: K and V are copied
-    head-major once before the tiles run; an additive mask, lengths, NaN past them."""
+def test_prefill_from_a_slot_major_cache(shape, rng):
+    """[B, L, H, D] prefill: with more than 256 query rows a kv head (the first two shapes) K
+    and V are copied head-major once before the tiles run, else read in place; an additive
+    mask, lengths, NaN past them."""
     b, hq, hk, lq, lk, d = shape
     q, k, v = _normal(rng, b, lq, hq, d), _normal(rng, b, lk, hk, d), _normal(rng, b, lk, hk, d)
     kvl = rng.integers(lk // 2, lk + 1, size=b).astype(np.int32)
