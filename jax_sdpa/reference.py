@@ -380,30 +380,6 @@ def _key_blocks(k, v, mask, kv_segment_ids, batch, heads_q, len_q, len_kv, block
     return block, nblocks, xs + ((m_blocks,) if mask_per_block else ()), mask_per_block
 
 
-def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, q_segment_ids,
-                  seg_b, shape, precision, acc, query_index=None):
-    """Scaled (soft-capped) scores of key block `idx` against the grouped queries, with their
-    visibility (band, lengths, segments, keys past the end, a bool mask) and the cap's slope
-    (None without a cap); an additive mask is added to them. seg_b: the block's key segment
-    ids [B, block] or None. shape = (B, Hq, Hk, Lq, Lk); query_index: the positions of the
-    queries in qg when they are a block of them (q_segment_ids then theirs)."""
-    b, hq, hk, lq, lk = shape
-    key_index = idx * block + jnp.arange(block)
-    s = _scaled_dots(qg, kb, params, precision, acc)
-    slope = _soft_cap_slope(s, params)
-    vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths,
-                     q_segment_ids=q_segment_ids, kv_segment_ids=seg_b,
-                     query_index=query_index)[:, :, None]
-    vis = vis & (key_index < lk).reshape(1, 1, 1, 1, block)
-    if mb is not None:
-        mg = _mask_grouped(mb, hq, hk)
-        if mb.dtype == jnp.bool_:
-            vis = vis & mg
-        else:
-            s = s + mg.astype(acc)
-    return s, vis, slope
-
-
 def _keys_major(x, shape):
     """x broadcastable to [B, Hk, G, Lq, block] -> [B, Hk, block, G * Lq]."""
     b, hk, g, lq, block = shape
@@ -411,13 +387,18 @@ def _keys_major(x, shape):
     return jnp.transpose(x, (0, 1, 4, 2, 3)).reshape(b, hk, block, g * lq)
 
 
-def _block_scores_keys_major(qg, kb, mb, idx, block, params, q_lengths, kv_lengths,
-                             q_segment_ids, seg_b, shape, precision, acc, query_index=None):
-    """_block_scores laid out [B, Hk, block, G * Lq]: keys major, the group's query rows minor.
-    In this layout every product of the backward with P or dS (dK = dS^T Q, dV = P^T dO,
-    dQ^T = K^T dS^T) reads it in place; the query-major layout needs a transposed copy of
-    two score-sized arrays per block, which XLA's CPU backend fuses into the elementwise
-    work of dS and P and runs several times slower."""
+def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, q_segment_ids,
+                  seg_b, shape, precision, acc, query_index=None):
+    """Scaled (soft-capped) scores of key block `idx` against the grouped queries qg, their
+    visibility (band, lengths, segments, keys past the end, a bool mask) and the cap's slope
+    (None without a cap), an additive mask added to them, all laid out [B, Hk, block, G * Lq]:
+    keys major, the group's query rows minor. seg_b: the block's key segment ids [B, block] or
+    None; shape = (B, Hq, Hk, Lq, Lk); query_index: the positions of the queries in qg when
+    they are a block of them (q_segment_ids then theirs). In this layout every product of the
+    backward with P or dS (dK = dS^T Q, dV = P^T dO, dQ^T = K^T dS^T) reads it in place; the
+    query-major layout needs a transposed copy of two score-sized arrays per block, which
+    XLA's CPU backend fuses into the elementwise work of dS and P and runs several times
+    slower."""
     b, hq, hk, lq, lk = shape
     g, lq_t, d = qg.shape[2], qg.shape[3], qg.shape[4]
     q_rows = qg.reshape(b, hk, g * lq_t, d)
@@ -521,7 +502,7 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
 
     def initial(rows):
         """The running max and sum [B, Hk, G * rows] and output O^T [B, Hk, Dv, G * rows] of
-        `rows` queries before any key (keys-major blocks: _block_scores_keys_major)."""
+        `rows` queries before any key (keys-major blocks: _block_scores)."""
         m0 = jnp.full((b, hk, g, rows), NEG_INF, acc) + zero
         if sinks is not None:
             m0 = _sink_logits(sinks, hk, acc) + jnp.zeros((b, hk, g, rows), acc) + zero
@@ -538,10 +519,9 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
             m_run, l_run, o_run = carry
             idx, kb, vb, seg_b = xs[:4]
             mb = xs[4] if mask_per_block else mask
-            s, vis, _ = _block_scores_keys_major(qg_t, kb, mb, idx, block, params, q_lengths,
-                                                 kv_lengths, qseg_t, seg_b,
-                                                 (b, hq, hk, lq, lk), precision, acc,
-                                                 query_index)
+            s, vis, _ = _block_scores(qg_t, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                                      qseg_t, seg_b, (b, hq, hk, lq, lk), precision, acc,
+                                      query_index)
             s = jnp.where(vis, s, NEG_INF)
             m_new = jnp.maximum(m_run, jnp.max(s, axis=2))
             m_safe = _shift(m_new)
@@ -623,10 +603,9 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
         mb = kxs[4] if mask_per_block else mask
         qg_t, dout_t, lse_t, delta_t, qseg_t, query_index = qxs
         rows = qg_t.shape[2] * qg_t.shape[3]
-        s, vis, slope = _block_scores_keys_major(qg_t, kb, mb, idx, block, params, q_lengths,
-                                                 kv_lengths, qseg_t, seg_b,
-                                                 (b, hq, hk, lq, lk), precision, acc,
-                                                 query_index)
+        s, vis, slope = _block_scores(qg_t, kb, mb, idx, block, params, q_lengths, kv_lengths,
+                                      qseg_t, seg_b, (b, hq, hk, lq, lk), precision, acc,
+                                      query_index)
         q_rows = qg_t.reshape(b, hk, rows, d)
         dout_rows = dout_t.reshape(b, hk, rows, dout_t.shape[-1])
         batch = ((0, 1), (0, 1))
