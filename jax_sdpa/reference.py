@@ -104,14 +104,17 @@ def _scaled_dots(qg, k, params, precision, acc):
     the product, so the scores leave the matmul rounded once and every later use (the max,
     the exponent, the backward's recomputation) sees the same values; a separate multiply
     could be contracted into an FMA in one of them only."""
+    return _soft_cap(_scaled_product(qg, lambda q: jnp.einsum(
+        "bkgid,bkjd->bkgij", q, k, precision=precision, preferred_element_type=acc),
+        params, acc), params)
+
+
+def _scaled_product(q, product, params, acc):
+    """scale * product(q): float32 (and wider) queries scaled before it (see _scaled_dots)."""
     scale = jnp.asarray(params.scale, acc)
-    if qg.dtype == acc:
-        s = jnp.einsum("bkgid,bkjd->bkgij", qg * scale, k, precision=precision,
-                       preferred_element_type=acc)
-    else:
-        s = jnp.einsum("bkgid,bkjd->bkgij", qg, k, precision=precision,
-                       preferred_element_type=acc) * scale
-    return _soft_cap(s, params)
+    if q.dtype == acc:
+        return product(q * scale)
+    return product(q) * scale
 
 
 def _soft_cap(s, params):
@@ -402,15 +405,9 @@ def _block_scores(qg, kb, mb, idx, block, params, q_lengths, kv_lengths, q_segme
     b, hq, hk, lq, lk = shape
     g, lq_t, d = qg.shape[2], qg.shape[3], qg.shape[4]
     q_rows = qg.reshape(b, hk, g * lq_t, d)
-    scale = jnp.asarray(params.scale, acc)
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
-    if qg.dtype == acc:  # scaled before the product, as in _scaled_dots
-        s = lax.dot_general(kb, q_rows * scale, dims, precision=precision,
-                            preferred_element_type=acc)
-    else:
-        s = lax.dot_general(kb, q_rows, dims, precision=precision,
-                            preferred_element_type=acc) * scale
-    s = _soft_cap(s, params)
+    s = _soft_cap(_scaled_product(q_rows, lambda q: lax.dot_general(
+        kb, q, dims, precision=precision, preferred_element_type=acc), params, acc), params)
     slope = _soft_cap_slope(s, params)
     key_index = idx * block + jnp.arange(block)
     vis = visibility(params, b, lq, lk, key_index, q_lengths, kv_lengths,
@@ -465,6 +462,11 @@ def _tiles_meet(q_segment_ids, kv_segment_ids, block, nq, nk):
     k_lo, k_hi = ranges(kv_segment_ids, nk)
     meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
     return meet.any(axis=0)
+
+
+def _rows_query_major(x, g, rows):
+    """A keys-major accumulator [..., D, G * rows] -> [..., G, rows, D]."""
+    return jnp.moveaxis(x.reshape(x.shape[:-1] + (g, rows)), -3, -1)
 
 
 def _index_blocks(blocks, i):
@@ -545,12 +547,10 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
         return lax.scan(step_if_meets, carry, (jnp.arange(nk), meets))[0]
 
     def query_major(state, rows):
-        """(m, l [..., B, Hk, G * rows], O^T [..., B, Hk, Dv, G * rows]) -> [..., B, Hk, G,
-        rows(, Dv)]."""
+        """(m, l [..., G * rows], O^T [..., Dv, G * rows]) -> [..., G, rows(, Dv)]."""
         m, l_, o = state
-        lead = m.shape[:-3]
-        o = jnp.moveaxis(o.reshape(lead + (b, hk, dv_, g, rows)), -3, -1)
-        return m.reshape(lead + (b, hk, g, rows)), l_.reshape(lead + (b, hk, g, rows)), o
+        return (m.reshape(m.shape[:-1] + (g, rows)), l_.reshape(l_.shape[:-1] + (g, rows)),
+                _rows_query_major(o, g, rows))
 
     if not tiles:
         m_run, l_run, o_run = query_major(over_keys(qg, q_segment_ids, None, None), lq)
@@ -622,12 +622,6 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
                                preferred_element_type=acc) * scale
         return dq_t, dkb, dvb
 
-    def query_major(dq_t, lq_t):
-        """dQ^T [..., B, Hk, D, G * lq_t] -> [..., B, Hk, G, lq_t, D]."""
-        lead = dq_t.shape[:-4]
-        x = dq_t.reshape(lead + (b, hk, d, hq // hk, lq_t))
-        return jnp.moveaxis(x, -3, -1)
-
     if not tiles:
         def step(dq, kxs):
             dq_b, dkb, dvb = tile(kxs, (qg, dout_g, lse_g, delta, q_segment_ids, None))
@@ -635,7 +629,7 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
 
         dq_t0 = jnp.zeros((b, hk, d, hq // hk * lq), acc) + zero
         dq_t, (dk_blocks, dv_blocks) = lax.scan(step, dq_t0, xs)
-        dq = query_major(dq_t, lq)
+        dq = _rows_query_major(dq_t, hq // hk, lq)
     else:
         # Outer loop over key blocks (each emits its dK, dV), inner over query blocks; a
         # pair whose segments can't meet is skipped.
@@ -669,7 +663,7 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
 
         dq_blocks0 = jnp.zeros((nq, b, hk, d, hq // hk * block), acc) + zero
         dq_blocks, (dk_blocks, dv_blocks) = lax.scan(key_step, dq_blocks0, (xs, meet.T))
-        dq = _unblock(query_major(dq_blocks, block), 3, lq)
+        dq = _unblock(_rows_query_major(dq_blocks, hq // hk, block), 3, lq)
 
     dk, dv = _unblock(dk_blocks, 2, lk), _unblock(dv_blocks, 2, lk)
     dq = dq.reshape(b, hq, lq, d).astype(q.dtype)
