@@ -5,7 +5,7 @@
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
-#                                           flash_ncu api
+#                                           flash_ncu api cudnn_plans fa3_check
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -310,6 +310,31 @@ if has flash; then
      | grep -E "fp32|check:" | tail -${FLASH_TAIL:-70}) || rc=1
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${FLASH_BENCH_TIMEOUT:-200}" python3 -P \
      $repo/benchmarks/gpu_flash_check.py --only bench --out "$OUT/bench" ${FLASH_BENCH_ARGS:-} 2>&1 | tail -20) || rc=1
+fi
+
+if has cudnn_plans; then
+  # Every plan cuDNN offers for the D128 training rows, each timed, with and without the
+  # forward's stats (benchmarks/tuning/cudnn_plans.cc): what the heuristic's first choice
+  # leaves on the table.
+  say "cuDNN plans, each timed (CUDNN_PLANS_SHAPES: ${CUDNN_PLANS_SHAPES:-the D128 rows})"
+  inc=$(python3 -c "
+import json, os, subprocess, sys
+f = json.loads(subprocess.run([sys.executable, 'cmake/find_cuda_wheels.py'], capture_output=True, text=True).stdout)
+fe, dnn = f['cudnn_frontend']['path'], f['cudnn']['path']
+print(os.path.dirname(fe), os.path.dirname(dnn), os.path.join(os.path.dirname(os.path.dirname(dnn)), 'lib'))")
+  read -r fe_inc dnn_inc dnn_lib <<< "$inc"
+  /usr/bin/g++ -std=c++17 -O2 benchmarks/tuning/cudnn_plans.cc -I"$fe_inc" -I"$dnn_inc" \
+    -I/usr/local/cuda/include -L"$dnn_lib" -Wl,-rpath,"$dnn_lib" -l:libcudnn.so.9 -L/usr/local/cuda/lib64 -lnvrtc \
+    -lcudart -ldl -o /tmp/cudnn_plans || rc=1
+  for shape in ${CUDNN_PLANS_SHAPES:-4,32,4096,128,0 4,32,4096,128,1 1,16,16384,128,1 4,16,4096,64,0}; do
+    timeout 120 /tmp/cudnn_plans ${shape//,/ } 20 | tee -a "$OUT/cudnn_plans.jsonl" || rc=1
+  done
+fi
+
+if has fa3_check; then
+  say "flash-attn3-jax's flash_mha against a float32 reference"
+  (cd /tmp && timeout 200 python3 -P $repo/benchmarks/tuning/fa3_check.py ${FA3_CHECK_ARGS:-} 2>&1 \
+     | tee "$OUT/fa3_check.jsonl" | tail -20) || rc=1
 fi
 
 if has probe; then
