@@ -13,6 +13,12 @@ TFLOP/s counts 4*B*Hq*Lq*Lk*D of visible work (half for causal, 1/segments for p
 x3.5 for forward+backward; decode GB/s counts q, K, V and out once. Each decode row also
 gets the harness's read ceiling: K and V read once by one XLA reduction. nvidia-smi's clocks
 are recorded before and after every row.
+
+Every JAX implementation's answer is checked in the same run, on batch 0, against a float32
+jax.nn xla reference (the output, and for forward+backward the three gradients of a fixed
+random cotangent): a result off by more than CHECK_REL_TOL of the reference's largest
+magnitude, or not finite, is recorded as wrong and never counts as the best peer. Checked:
+the rows without segments, soft cap or pages whose reference scores fit in CHECK_MAX_BYTES.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ import jax_sdpa  # noqa: E402
 from bench_gpu import decode_bytes, measure, versions  # noqa: E402
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+CHECK_REL_TOL = 0.1  # far above 16-bit rounding (~1e-2), far below a wrong kernel's errors
+CHECK_MAX_BYTES = 9 << 30  # float32 scores of the batch-0 reference
 
 
 def row(name, group, b, hq, hk, lq, lk, d, causal=False, dtype=BF16, segments=0, softcap=None,
@@ -267,6 +275,37 @@ def torch_time(r, backend, backward, samples=5):
     return float(np.median(times))
 
 
+def checkable(r):
+    return (not (r["segments"] or r["softcap"] or r["page_size"])
+            and 4 * r["Hq"] * r["Lq"] * r["Lk"] <= CHECK_MAX_BYTES)
+
+
+def answer(fn, args, backward, cotangent):
+    """Batch 0 of the output, or of the three gradients of <out, cotangent>, as float32."""
+    if not backward:
+        return (jax.jit(fn)(*args)[:1].astype(F32),)
+    out, vjp = jax.vjp(fn, *args)
+    return tuple(g[:1].astype(F32) for g in jax.jit(vjp)(cotangent.astype(out.dtype)))
+
+
+def reference_answer(r, args, backward, cotangent):
+    causal = r["causal"] and r["Lq"] > 1
+    ref = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=causal, implementation="xla")
+    one = tuple(x[:1].astype(F32) for x in args)
+    return answer(ref, one, backward, cotangent[:1])
+
+
+def check(got, want):
+    """{"rel_err": worst |got - want| / max |want| over the arrays, "wrong": bool}."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        scale = float(jnp.max(jnp.abs(w))) or 1.0
+        err = float(jnp.max(jnp.abs(g - w))) / scale
+        worst = max(worst, err if np.isfinite(err) else float("inf"))
+    return dict(rel_err=worst, wrong=not worst <= CHECK_REL_TOL)
+
+
 def work(r, backward):
     f = 4.0 * r["B"] * r["Hq"] * r["Lq"] * r["Lk"] * r["D"]
     if r["causal"] and r["Lq"] > 1:
@@ -289,6 +328,8 @@ def run_row(r, impls, torch_backends):
     res["results"] = {}
     args = inputs(r)
     modes = ("fwd", "fwd+bwd") if r["bwd"] else ("fwd",)
+    cotangent = jax.random.normal(jax.random.PRNGKey(7), args[0].shape, F32)
+    references = {}
     for impl in impls:
         for mode in modes:
             backward = mode == "fwd+bwd"
@@ -299,12 +340,16 @@ def run_row(r, impls, torch_backends):
                 sec, temp, n = measure(fn, a, backward)
                 out = dict(ms=sec * 1e3, temp_gib=temp / 2**30, calls_per_sample=n,
                            **metric(r, sec, backward))
+                if checkable(r) and impl != "read_ceiling":
+                    if mode not in references:
+                        references[mode] = reference_answer(r, args, backward, cotangent)
+                    out.update(check(answer(fn, a, backward, cotangent), references[mode]))
             except Exception as e:  # noqa: BLE001
                 msg = str(e).splitlines()[0][:300] if str(e) else ""
                 out = dict(refused=f"{type(e).__name__}: {msg}")
             res["results"][f"{impl}/{mode}"] = out
             print(json.dumps({"row": r["name"], f"{impl}/{mode}": out}), flush=True)
-    del args
+    del args, references
     for be in torch_backends:
         for mode in modes:
             try:
@@ -326,16 +371,20 @@ def summary(rows):
             vals = {}
             for key, x in r["results"].items():
                 impl, m = key.split("/")
-                if m == mode and "refused" not in x and impl != "read_ceiling":
+                # a wrong answer never counts as a peer's (ours is shown, marked wrong)
+                if (m == mode and "refused" not in x and impl != "read_ceiling"
+                        and (impl == "jax_sdpa" or not x.get("wrong"))):
                     vals[impl] = x.get("TFLOP/s", x.get("GB/s"))
             if "jax_sdpa" not in vals:
                 continue
             peers = {k: v for k, v in vals.items() if not k.startswith("jax_sdpa")}
             best = max(peers, key=peers.get) if peers else None
             ceil = r["results"].get("read_ceiling/fwd", {}).get("GB/s")
+            wrong = sorted(key.split("/")[0] for key, x in r["results"].items()
+                           if key.endswith("/" + mode) and x.get("wrong"))
             entry = dict(row=r["name"], mode=mode, ours=vals["jax_sdpa"], best_peer=best,
                          best=peers.get(best), ratio=vals["jax_sdpa"] / peers[best] if best else None,
-                         read_ceiling=ceil)
+                         read_ceiling=ceil, wrong=wrong)
             lines.append(entry)
     return lines
 
@@ -390,7 +439,8 @@ def main():
         ratio = f"{s['ratio']:.2f}" if s["ratio"] else "-"
         print(f"{s['row']:<50} {s['mode']:<8} ours {s['ours']:8.1f}  best {s['best_peer']} "
               f"{s['best'] or 0:8.1f}  ratio {ratio}"
-              + (f"  ceiling {s['read_ceiling']:.0f}" if s["read_ceiling"] else ""), flush=True)
+              + (f"  ceiling {s['read_ceiling']:.0f}" if s["read_ceiling"] else "")
+              + (f"  WRONG: {','.join(s['wrong'])}" if s["wrong"] else ""), flush=True)
     if args.plot and summ:
         plot(summ, args.plot)
 
