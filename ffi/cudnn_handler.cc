@@ -1,4 +1,6 @@
-// XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA").
+// XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA"), and
+// jax_sdpa_cudnn_fwd_no_lse: the forward of a call whose lse nobody reads (lse comes back
+// NaN; cuDNN skips its softmax stats where the row fix-up doesn't need them).
 // Decode + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
 // cuda/cudnn/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
 // comes from the ScratchAllocator, which CUDA-graph capture does not allow.
@@ -43,6 +45,7 @@ ffi::Error to_ffi(const cudnn::Status& st) {
   }
 }
 
+template <bool kLseWanted>
 ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                     ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
@@ -60,7 +63,7 @@ ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   if (auto e = poison_outputs("cudnn", stream, {&*out, &*lse}); e.failure()) return e;
 
   FfiScratch s(scratch);
-  return to_ffi(cudnn::sdpa_forward(p, b, stream, s));
+  return to_ffi(cudnn::sdpa_forward(p, b, stream, s, kLseWanted));
 }
 
 ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
@@ -91,7 +94,13 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd,
+    jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd<true>,
+    jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_sdpa_cudnn_fwd_no_lse, jax_sdpa::CudnnFwd<false>,
     jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()));
@@ -103,4 +112,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                   .Ctx<ffi::ScratchAllocator>()));
 
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd", jax_sdpa_cudnn_fwd, jax_sdpa::kServedFeatures);
+JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd_no_lse", jax_sdpa_cudnn_fwd_no_lse,
+                             jax_sdpa::kServedFeatures);
 JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_bwd", jax_sdpa_cudnn_bwd, jax_sdpa::kServedFeatures);

@@ -340,7 +340,7 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
                           bottom_right=window_left >= 0 or window_right >= 0, seq_major=False,
                           implementation=implementation,
-                          logits_soft_cap=_check_soft_cap(logits_soft_cap))
+                          logits_soft_cap=_check_soft_cap(logits_soft_cap), lse_used=False)
     return q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_ids, kv_ids
 
 
@@ -452,6 +452,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                  params, q_ids, kv_ids)
     may_be_empty = _rows_may_be_empty(bias is not None or mask is not None or q_ids is not None,
                                       kv_lengths, window_left, t, s)
+    # lse is read for the residual and by _jax_nn_empty_rows
+    params = dataclasses.replace(
+        params, lse_used=return_residual or may_be_empty or q_lengths is not None)
     out, residual = _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths,
                                    q_ids, kv_ids, params=params, may_be_empty=may_be_empty)
     out = out.reshape(output_shape)

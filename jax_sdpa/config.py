@@ -66,6 +66,9 @@ class StaticParams:
     fp32_precision: int = dataclasses.field(default_factory=current_fp32_precision)
     # Logit soft-capping: logits = cap * tanh(scale * q.k / cap) before masks; 0.0 = off.
     logits_soft_cap: float = 0.0
+    # Whether anything reads the forward's lse: False lets the cuDNN forward skip its softmax
+    # stats (the entry points without return_residual; differentiation binds True).
+    lse_used: bool = True
 
     @property
     def causal(self) -> bool:

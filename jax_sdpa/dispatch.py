@@ -254,6 +254,8 @@ _DECODE_KERNEL_TEXT = {
 # The FFI targets of our CUDA kernels: the decode kernels (forward only) and the flash
 # kernels.
 CUDA_DECODE_TARGET = "jax_sdpa_cuda_fwd"
+# cuDNN's forward for a call whose lse nobody reads: no softmax stats, lse filled with NaN.
+CUDNN_FWD_NO_LSE_TARGET = "jax_sdpa_cudnn_fwd_no_lse"
 
 
 def _cuda_target(kernel: str, direction: str) -> str:
@@ -546,6 +548,8 @@ def _target(call: "_Call", name: str) -> str:
             raise NotImplementedError(f"jax_sdpa: implementation='cuda' can't serve this "
                                       f"call: {why}")
         return _cuda_target(kernel, call.direction)
+    if name == "cudnn" and call.direction == "fwd" and not call.cfg.params.lse_used:
+        return CUDNN_FWD_NO_LSE_TARGET
     return f"jax_sdpa_{name}_{call.direction}"
 
 

@@ -312,6 +312,7 @@ def _placeholder_like(x):
 
 
 def _fwd_jvp(primals, tangents, **kw):
+    kw = dict(kw, lse_used=True)  # the tangent and the backward read lse
     out, lse = primitives.sdpa_fwd_p.bind(*primals, **kw)
     flags, _ = primitives._split_kwargs(kw)
     positions = _fwd_differentiable(primals, flags)

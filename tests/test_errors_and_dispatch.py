@@ -455,7 +455,7 @@ def test_cuda_routing_in_the_lowering(fake_h200):
     from jax_sdpa.config import StaticParams
 
     targets = ("jax_sdpa_cuda_fwd", "jax_sdpa_cuda_flash_fwd", "jax_sdpa_cuda_flash_bwd",
-               "jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd")
+               "jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_fwd_no_lse", "jax_sdpa_cudnn_bwd")
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
 
     def calls(fn, *args):
@@ -485,6 +485,30 @@ def test_cuda_routing_in_the_lowering(fake_h200):
     b = s((2, 4, 128, 64), jnp.bfloat16)
     assert [t for t, _ in calls(jax.grad(lambda q, k, v: named(None)(q, k, v).astype(
         jnp.float32)), b, b, b)] == ["jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"]
+
+    # The public entries' forward alone: cuDNN skips its stats unless lse is read (the
+    # residual, jax.nn's empty-row rules under lengths, or differentiation).
+    def nn(**kw):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(q, k, v, is_causal=True, **kw)
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
+
+    bt = s((2, 128, 4, 64), jnp.bfloat16)
+    lengths = jnp.array([100, 128], jnp.int32)
+    forward_only = {
+        "plain": (nn(), "jax_sdpa_cudnn_fwd_no_lse"),
+        "residual": (lambda q, k, v: nn(return_residual=True)(q, k, v)[1], "jax_sdpa_cudnn_fwd"),
+        "lengths": (nn(key_value_seq_lengths=lengths), "jax_sdpa_cudnn_fwd"),
+        "mlx": (lambda q, k, v: jax_sdpa.scaled_dot_product_attention(
+            q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask="causal"),
+            "jax_sdpa_cudnn_fwd_no_lse"),
+    }
+    for name, (fn, target) in forward_only.items():
+        assert [t for t, _ in calls(fn, bt, bt, bt)] == [target], name
+    for fn in (nn(), forward_only["mlx"][0]):
+        assert [t for t, _ in calls(jax.grad(loss(fn), argnums=(0, 1, 2)), bt, bt, bt)] == [
+            "jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"]
 
 
 def test_cuda_decode_workspace_bytes(cuda_module):

@@ -94,12 +94,13 @@ struct Spec {
   bool sinks = false;
   int64_t sinks_b = 1;
   bool fix_rows = false;     // rows may be padded or have no visible key
+  bool stats = true;         // the forward writes its softmax stats (lse)
 
   std::vector<int64_t> key(const SdpaParams& p) const {
     std::vector<int64_t> k = {backward, device, static_cast<int64_t>(p.dtype), p.batch,
                               p.heads_q, p.heads_kv, p.len_q, p.len_kv, p.head_dim,
                               p.head_dim_v, left_bound, right_bound, bottom_right, padding,
-                              bias, bias_b, bias_h, sinks, sinks_b};
+                              bias, bias_b, bias_h, sinks, sinks_b, stats};
     for (const int64_t* s : {p.q_stride, p.k_stride, p.v_stride, p.o_stride})
       k.insert(k.end(), s, s + 3);
     return k;
@@ -135,7 +136,7 @@ bool bottom_right_aligned(const SdpaParams& p, bool has_lengths) {
 
 namespace {
 
-Spec make_spec(const SdpaParams& p, int device, bool backward) {
+Spec make_spec(const SdpaParams& p, int device, bool backward, bool lse_wanted = true) {
   Spec s;
   s.backward = backward;
   s.device = device;
@@ -161,6 +162,8 @@ Spec make_spec(const SdpaParams& p, int device, bool backward) {
     s.sinks_b = p.sinks_batch_stride == 0 ? 1 : p.batch;
   }
   s.fix_rows = lengths || p.mask_kind != MaskKind::kNone || band_can_be_empty(p);
+  // Stats cost the forward 2-4% (H200, D64-D256); the row fix-up reads them.
+  s.stats = backward || lse_wanted || s.fix_rows;
   return s;
 }
 
@@ -256,7 +259,8 @@ std::shared_ptr<fe::graph::Graph> describe_forward(const SdpaParams& p, const Sp
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
   CommonInputs in = add_common_inputs(*g, p, s);
-  auto attrs = fe::graph::SDPA_attributes().set_name("jax_sdpa_fwd").set_generate_stats(true);
+  auto attrs =
+      fe::graph::SDPA_attributes().set_name("jax_sdpa_fwd").set_generate_stats(s.stats);
   set_masking(attrs, in, s);
   if (s.sinks) {
     attrs.set_sink_token(g->tensor(fe::graph::Tensor_attributes()
@@ -268,11 +272,12 @@ std::shared_ptr<fe::graph::Graph> describe_forward(const SdpaParams& p, const Sp
   }
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, attrs);
   set_output_bhld(o, kO, p.batch, p.heads_q, p.len_q, p.head_dim_v, p.o_stride);
-  stats->set_output(true)
-      .set_uid(kStats)
-      .set_data_type(fe::DataType_t::FLOAT)
-      .set_dim({p.batch, p.heads_q, p.len_q, 1})
-      .set_stride({p.heads_q * p.len_q, p.len_q, 1, 1});
+  if (s.stats)
+    stats->set_output(true)
+        .set_uid(kStats)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim({p.batch, p.heads_q, p.len_q, 1})
+        .set_stride({p.heads_q * p.len_q, p.len_q, 1, 1});
   return g;
 }
 
@@ -308,6 +313,7 @@ std::string describe_spec(const SdpaParams& p, const Spec& s) {
   if (s.padding) m << " padding-mask";
   if (s.bias) m << " bias[" << s.bias_b << "," << s.bias_h << ",Lq,Lk]";
   if (s.sinks) m << " sinks[" << s.sinks_b << ",Hq]";
+  if (!s.backward && !s.stats) m << " no-stats";
   return m.str();
 }
 
@@ -553,7 +559,7 @@ Status guarded(F&& f) {
 }  // namespace
 
 Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t stream,
-                    Scratch& scratch) {
+                    Scratch& scratch, bool lse_wanted) {
   return guarded([&]() -> Status {
     if (p.batch * p.heads_q * p.len_q == 0) return Status::Ok();
     if (p.len_kv == 0)  // no keys anywhere: every row is empty
@@ -570,7 +576,7 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
     if (Status st = current_device(&device); !st.ok()) return st;
     DeviceState* dev = nullptr;
     if (Status st = device_state(device, &dev); !st.ok()) return st;
-    const Spec s = make_spec(p, device, /*backward=*/false);
+    const Spec s = make_spec(p, device, /*backward=*/false, lse_wanted);
     std::shared_ptr<Plan> plan;
     if (Status st = get_plan(p, s, dev, &plan); !st.ok()) return st;
 
@@ -587,7 +593,8 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
     std::unordered_map<int64_t, void*> pack = {
         {kQ, const_cast<void*>(b.q)}, {kK, const_cast<void*>(b.k)},
         {kV, const_cast<void*>(v)},   {kScale, &scale},
-        {kO, b.out},                  {kStats, b.lse}};
+        {kO, b.out}};
+    if (s.stats) pack[kStats] = b.lse;
     if (s.bias) pack[kBias] = const_cast<void*>(x.bias);
     if (s.padding) {
       pack[kSeqQ] = x.seq_q;
@@ -595,6 +602,10 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
     }
     if (s.sinks) pack[kSink] = const_cast<float*>(p.sinks);
     if (Status st = execute(dev, *plan, stream, pack, scratch); !st.ok()) return st;
+    if (!s.stats)  // written all the same: NaN (all bits set), which no caller reads
+      return cuda_status(cudaMemsetAsync(b.lse, 0xFF, p.batch * p.heads_q * p.len_q *
+                                                          sizeof(float), stream),
+                         "lse fill");
     if (s.fix_rows && !raw_mode())
       return cuda_status(cudnn_kernels::fix_forward_rows(p, b.out, b.lse, stream),
                          "row fix-up kernel");

@@ -32,9 +32,10 @@ struct Status {
 };
 
 // out, lse = attention(q, k, v, ...): lse natural-log float32 [B, Hq, Lq];
-// rows with nothing to attend get out = 0 and lse = -inf (or the sink).
+// rows with nothing to attend get out = 0 and lse = -inf (or the sink). lse_wanted false
+// (the caller drops lse): cuDNN may skip its stats, and lse is then filled with NaN.
 Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t stream,
-                    Scratch& scratch);
+                    Scratch& scratch, bool lse_wanted = true);
 
 // dq, dk, dv from (q, k, v, out, lse, dout); dsinks / dmask are computed in JAX.
 Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t stream,
