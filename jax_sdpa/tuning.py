@@ -62,8 +62,11 @@ ROWS = {
         "flash forward) up to this many bytes of float32 scores; our wgmma flash backward "
         "ran B1 H16 L4096 D512 causal fwd+bwd at 157 TFLOP/s against 222 for jax.nn's xla "
         "(peers.json); with this row None ran it at 236, our flash backward 155, jax.nn's "
-        "xla 221, in one run (peers_dispatch.json)",
-        "benchmarks/results/h200/peers.json, benchmarks/results/h200/peers_dispatch.json"),
+        "xla 221, in one run (peers_dispatch.json). Those fwd+bwd figures returned dq alone, "
+        "which let XLA drop its dk / dv work; with all three gradients None ran it at 144 "
+        "against jax.nn xla's 174 (peers_prefill.json): this row awaits a re-measure",
+        "benchmarks/results/h200/peers.json, benchmarks/results/h200/peers_dispatch.json, "
+        "benchmarks/results/h200/peers_prefill.json"),
     "CUDA_FLASH_FOR_FEATURES": Row(
         {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
         "16-bit prefill with a feature cuDNN doesn't serve: our CUDA flash kernels in these "
