@@ -162,7 +162,8 @@ Spec make_spec(const SdpaParams& p, int device, bool backward, bool lse_wanted =
     s.sinks_b = p.sinks_batch_stride == 0 ? 1 : p.batch;
   }
   s.fix_rows = lengths || p.mask_kind != MaskKind::kNone || band_can_be_empty(p);
-  // Stats cost the forward 2-4% (H200, D64-D256); the row fix-up reads them.
+  // Stats cost the forward up to 2% (H200 D64, results/h200/cudnn_plans.jsonl); the row
+  // fix-up reads them.
   s.stats = backward || lse_wanted || s.fix_rows;
   return s;
 }
