@@ -5,7 +5,7 @@
 #                                           bench quick decode_check decode_bench decode_sweep
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
-#                                           flash_ncu api cudnn_plans fa3_check
+#                                           flash_ncu api cudnn_plans fa3_check wide_bwd
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -331,6 +331,11 @@ print(os.path.dirname(fe), os.path.dirname(dnn), os.path.join(os.path.dirname(os
   done
 fi
 
+if has wide_bwd; then
+  say "16-bit backward at head dims > 256, formulation by formulation (benchmarks/tuning/wide_bwd.py)"
+  (cd /tmp && timeout "${WIDE_BWD_TIMEOUT:-240}" python3 -P $repo/benchmarks/tuning/wide_bwd.py \
+     --out "$OUT/wide_bwd.json" ${WIDE_BWD_ARGS:-} 2>&1 | tail -40) || rc=1
+fi
 if has fa3_check; then
   say "flash-attn3-jax's flash_mha against a float32 reference"
   (cd /tmp && timeout 200 python3 -P $repo/benchmarks/tuning/fa3_check.py ${FA3_CHECK_ARGS:-} 2>&1 \

@@ -518,6 +518,16 @@ def _xla_choice(cfg: Config) -> str:
     return "xla_chunked" if cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES else "xla"
 
 
+def xla_probs_dtype(cfg: Config, platform: str) -> Optional[str]:
+    """The dtype our XLA path's P and dS take into their matmuls: a 16-bit input dtype on
+    a GPU (the row XLA_GPU_PROBS_IN_INPUT_DTYPE of jax_sdpa/tuning.py), else None (the
+    float32 accumulation dtype)."""
+    if (platform in ("cuda", "rocm") and tuning.XLA_GPU_PROBS_IN_INPUT_DTYPE
+            and cfg.dtype in (np.dtype(np.float16), np.dtype("bfloat16"))):
+        return cfg.dtype.name
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one lowering emits, decided once."""
@@ -526,6 +536,8 @@ class Plan:
     target: Optional[str]  # the FFI custom-call target; None for the pure-JAX ones
     workspace_bytes: int  # bytes of the target's extra uint8 workspace result (0: none)
     reason: str
+    # the pure-JAX ones: the dtype P and dS take into their matmuls (None: float32)
+    probs_dtype: Optional[str] = None
 
 
 def _choose(call: "_Call", implementation: Optional[str]) -> str:
@@ -561,7 +573,7 @@ def plan(cfg: Config, platform: str, direction: str = "fwd",
     name = _choose(call, implementation)
     reason = call.verdict(name)[1]
     if name in ("xla", "xla_chunked"):
-        return Plan(name, None, 0, reason)
+        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
     target = _target(call, name)
     return Plan(name, target, ffi_workspace_bytes(target, cfg), reason)
 
@@ -653,7 +665,7 @@ def plan_paged(cfg: Config, platform: str, implementation: Optional[str] = None)
         raise NotImplementedError(f"jax_sdpa: implementation={name!r} can't serve this paged "
                                   f"call: {reason}")
     if name in ("xla", "xla_chunked"):
-        return Plan(name, None, 0, reason)
+        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
     target = paged_target(name)
     workspace = cuda_decode_workspace_bytes(cfg) if name == "cuda" else 0
     return Plan(name, target, workspace, reason)

@@ -311,7 +311,7 @@ def _abstract(q, k_pages, v_pages, page_indices, kv_lengths, sinks, **kw):
 
 
 def reference_paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, *, params,
-                    kv_layout, chunked=False):
+                    kv_layout, chunked=False, probs_dtype=None):
     """The pure-JAX paged forward: the pages gathered into a contiguous [B, Hk, Lk, D] cache
     (keys of out-of-range pages zeroed and hidden by a key mask), then the reference."""
     shape = PagedShape.of(k_pages.shape, kv_layout)
@@ -329,7 +329,8 @@ def reference_paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, *, par
     k, v = gather(k_pages), gather(v_pages)
     key_mask = jnp.repeat(valid, shape.page_size, axis=1)[:, None, None, :]  # [B,1,1,Lk]
     fn = reference.chunked_forward if chunked else reference.forward
-    return fn(q, k, v, key_mask, sinks, None, kv_lengths, None, None, params)
+    return fn(q, k, v, key_mask, sinks, None, kv_lengths, None, None, params,
+              probs_dtype=probs_dtype)
 
 
 def _lower(platform):
@@ -348,7 +349,8 @@ def _lower(platform):
 
             def fn(q, kp, vp, idx, kvl, s):
                 return reference_paged(q, kp, vp, idx, kvl, s if has_sinks else None,
-                                       params=params, kv_layout=kv_layout, chunked=chunked)
+                                       params=params, kv_layout=kv_layout, chunked=chunked,
+                                       probs_dtype=plan.probs_dtype)
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         attrs = paged_ffi_attrs(params, has_sinks, kv_layout)

@@ -154,14 +154,14 @@ sdpa_bwd_p.def_abstract_eval(_bwd_abstract)
 # --------------------------------------------------------------------------
 # reference implementation (eager evaluation and the default lowering)
 
-def _reference_fwd(q, k, v, *optional, params, chunked):
+def _reference_fwd(q, k, v, *optional, params, chunked, probs_dtype=None):
     fn = reference.chunked_forward if chunked else reference.forward
-    return fn(q, k, v, *optional, params)
+    return fn(q, k, v, *optional, params, probs_dtype=probs_dtype)
 
 
-def _reference_bwd(q, k, v, out, lse, dout, *optional, params, chunked):
+def _reference_bwd(q, k, v, out, lse, dout, *optional, params, chunked, probs_dtype=None):
     fn = reference.chunked_backward if chunked else reference.backward
-    return fn(q, k, v, out, lse, dout, *optional, params)
+    return fn(q, k, v, out, lse, dout, *optional, params, probs_dtype=probs_dtype)
 
 
 def _fwd_impl(q, k, v, *optional, **kw):
@@ -237,7 +237,8 @@ def _lower(direction, platform):
 
             def fn(*a):
                 fixed, optional = a[:n_fixed], _real(a[n_fixed:], flags)
-                return ref(*fixed, *optional, params=params, chunked=chunked)
+                return ref(*fixed, *optional, params=params, chunked=chunked,
+                           probs_dtype=plan.probs_dtype)
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         attrs = _ffi_attrs(params, flags)

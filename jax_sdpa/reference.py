@@ -217,8 +217,9 @@ def _segments(q_segment_ids, kv_segment_ids):
 
 
 def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-            params: StaticParams, precision=None):
-    """Exact attention. Returns (out, lse)."""
+            params: StaticParams, precision=None, probs_dtype=None):
+    """Exact attention. Returns (out, lse). `probs_dtype`: the dtype P takes into its
+    matmul (None: the accumulation dtype; `dispatch.xla_probs_dtype` decides)."""
     q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
     b, hq, lq, _ = q.shape
@@ -244,29 +245,40 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segme
     live = _live(lse)
     p = jnp.where(live[..., None],
                   p / jnp.where(live, total, jnp.ones((), acc))[..., None], jnp.zeros((), acc))
-    out = jnp.einsum("bkgij,bkjd->bkgid", p.astype(_pv_dtype(v.dtype, acc)), v,
+    out = jnp.einsum("bkgij,bkjd->bkgid", _pv_operand(p, v.dtype, acc, probs_dtype), v,
                      precision=precision, preferred_element_type=acc)
     out = out.reshape(b, hq, lq, v.shape[-1]).astype(q.dtype)
     lse = lse.reshape(b, hq, lq).astype(jnp.float32)
     return _from_bhld(out, params.seq_major), lse
 
 
-def _pv_dtype(v_dtype, acc):
-    # Probabilities stay in the accumulation dtype: more accurate than rounding
-    # them to bf16 first, and the same on every backend.
-    return jnp.promote_types(v_dtype, acc)
+def _pv_operand(p, v_dtype, acc, probs_dtype):
+    """P as the operand of its matmul with V: in `probs_dtype` where given, else in the
+    accumulation dtype (more accurate than rounding it to 16 bits first)."""
+    if probs_dtype is not None:
+        return p.astype(probs_dtype)
+    return p.astype(jnp.promote_types(v_dtype, acc))
+
+
+def _probs_operand(x, probs_dtype):
+    """P or dS as a backward matmul operand: in `probs_dtype` where given, else as
+    computed (the accumulation dtype)."""
+    return x if probs_dtype is None else x.astype(probs_dtype)
 
 
 def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-             kv_segment_ids, params: StaticParams, precision=None):
-    """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward)."""
+             kv_segment_ids, params: StaticParams, precision=None, probs_dtype=None):
+    """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward);
+    `probs_dtype` as in `forward`, for P and dS."""
     q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     del sinks  # enters only through lse
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
     acc = _acc_dtype(q.dtype)
     p, _, ds_dots = _probs_and_dscores(q, k, v, out, lse, dout, mask, q_lengths, kv_lengths,
                                        q_segment_ids, kv_segment_ids, params, precision, acc)
-    dq, dk, dv = _grads_from_dscores(q, k, dout, p, ds_dots, params, precision, acc)
+    dq, dk, dv = _grads_from_dscores(q, k, dout, _probs_operand(p, probs_dtype),
+                                     _probs_operand(ds_dots, probs_dtype), params, precision,
+                                     acc)
     return tuple(_from_bhld(x, params.seq_major) for x in (dq, dk, dv))
 
 
@@ -484,7 +496,7 @@ def _unblock(x, axis, length):
 
 def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                     kv_segment_ids, params: StaticParams, precision=None,
-                    block: Optional[int] = None):
+                    block: Optional[int] = None, probs_dtype=None):
     q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     q, k, v = (_to_bhld(x, params.seq_major) for x in (q, k, v))
     b, hq, lq, _ = q.shape
@@ -531,7 +543,7 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
             p = _exp_below(s - m_safe[:, :, None])
             l_new = l_run * alpha + jnp.sum(p, axis=2)
             o_new = o_run * alpha[:, :, None] + lax.dot_general(
-                vb, p.astype(_pv_dtype(v.dtype, acc)), (((2,), (2,)), ((0, 1), (0, 1))),
+                vb, _pv_operand(p, v.dtype, acc, probs_dtype), (((2,), (2,)), ((0, 1), (0, 1))),
                 precision=precision, preferred_element_type=acc)
             return (m_new, l_new, o_new), None
 
@@ -576,7 +588,7 @@ def chunked_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
 
 def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths,
                      q_segment_ids, kv_segment_ids, params: StaticParams, precision=None,
-                     block: Optional[int] = None):
+                     block: Optional[int] = None, probs_dtype=None):
     q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     del sinks
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)
@@ -613,6 +625,7 @@ def chunked_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths
                              preferred_element_type=acc)
         p, _, ds = _probs_dscores_block(s, vis, lse_t.reshape(b, hk, 1, rows), dp,
                                         delta_t.reshape(b, hk, 1, rows), slope, acc)
+        p, ds = _probs_operand(p, probs_dtype), _probs_operand(ds, probs_dtype)
         by_rows = (((3,), (2,)), batch)
         dkb = lax.dot_general(ds, q_rows, by_rows, precision=precision,
                               preferred_element_type=acc) * scale

@@ -67,6 +67,14 @@ ROWS = {
         "against jax.nn xla's 174 (peers_prefill.json): this row awaits a re-measure",
         "benchmarks/results/h200/peers.json, benchmarks/results/h200/peers_dispatch.json, "
         "benchmarks/results/h200/peers_prefill.json"),
+    "XLA_GPU_PROBS_IN_INPUT_DTYPE": Row(
+        True,
+        "16-bit calls of our XLA path on a GPU round P and dS to the input dtype before "
+        "their matmuls (what cuDNN, our flash kernels and jax.nn's autodiff feed the tensor "
+        "cores): the backward of B1 H16 L4096 D512 causal ran in 2.95 ms against 5.34 ms "
+        "with float32 operands, the forward+backward of None 4.2 ms against jax.nn xla's "
+        "5.5; on a CPU they stay float32 (more accurate, and XLA's CPU dots gain nothing)",
+        "benchmarks/results/h200/wide_bwd.json"),
     "CUDA_FLASH_FOR_FEATURES": Row(
         {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
         "16-bit prefill with a feature cuDNN doesn't serve: our CUDA flash kernels in these "
@@ -92,3 +100,4 @@ CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
 CUDA_FLASH_FOR_FEATURES = ROWS["CUDA_FLASH_FOR_FEATURES"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
+XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value

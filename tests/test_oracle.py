@@ -139,3 +139,57 @@ def test_one_plan_per_lowering():
         assert p.target == f"jax_sdpa_{p.implementation}_bwd" and p.workspace_bytes == 0
     with pytest.raises(NotImplementedError, match="cudnn"):
         dispatch.plan(cfg, "cpu", "fwd", "cudnn")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_xla_path_with_16bit_probabilities(dtype, chunked, rng):
+    """Our XLA path as a GPU runs it (P and dS rounded to the input dtype before their
+    matmuls, dispatch.xla_probs_dtype) within the 16-bit tolerance of the oracle: forward
+    and the three gradients, GQA, causal, lengths, exact and chunked."""
+    import jax.numpy as jnp
+
+    from jax_sdpa import reference
+    from jax_sdpa.config import StaticParams
+
+    b, hq, hk, lq, lk, d = 2, 4, 2, 37, 53, 24
+    q, k, v, dout = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hk, lk, d),
+                                                     (b, hk, lk, d), (b, hq, lq, d)))
+    kvl = np.array([53, 29])
+    x16 = [jnp.asarray(x, dtype) for x in (q, k, v, dout)]
+    x64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in x16]
+    params = StaticParams(scale=d ** -0.5, window_right=0, bottom_right=True)
+    fwd = reference.chunked_forward if chunked else reference.forward
+    bwd = reference.chunked_backward if chunked else reference.backward
+    extra = dict(block=16) if chunked else {}
+    want_out, _ = oracle.forward(*x64[:3], scale=d ** -0.5, mask="causal", kv_lengths=kvl)
+    want = oracle.backward(*x64, scale=d ** -0.5, mask="causal", kv_lengths=kvl)
+    kvl_j = jnp.asarray(kvl, jnp.int32)
+    errors = {}
+    for probs in (None, dtype):
+        out, lse = fwd(*x16[:3], None, None, None, kvl_j, None, None, params,
+                       probs_dtype=probs, **extra)
+        grads = bwd(*x16[:3], out, lse, x16[3], None, None, None, kvl_j, None, None, params,
+                    probs_dtype=probs, **extra)
+        errors[probs] = [oracle.max_rel_error(out, want_out)] + [
+            oracle.max_rel_error(g, want[n]) for g, n in zip(grads, ("dq", "dk", "dv"))]
+    for err16, err32 in zip(errors[dtype], errors[None]):
+        assert err16 <= oracle.tolerance(dtype, xla_error=err32), errors
+
+
+def test_xla_probs_dtype_is_the_gpu_16bit_input_dtype():
+    from jax_sdpa import dispatch
+    from jax_sdpa.config import Config, StaticParams
+
+    def cfg(dtype):
+        shape = (1, 4, 64, 32)
+        return Config.from_shapes(shape, shape, shape, np.dtype(dtype), None, None, False,
+                                  False, False, StaticParams(scale=0.2))
+
+    import ml_dtypes
+    assert dispatch.xla_probs_dtype(cfg(ml_dtypes.bfloat16), "cuda") == "bfloat16"
+    assert dispatch.xla_probs_dtype(cfg(np.float16), "cuda") == "float16"
+    assert dispatch.xla_probs_dtype(cfg(np.float32), "cuda") is None
+    assert dispatch.xla_probs_dtype(cfg(ml_dtypes.bfloat16), "cpu") is None
+    plan = dispatch.plan(cfg(np.float16), "cpu", "fwd", "xla")
+    assert plan.probs_dtype is None
