@@ -450,13 +450,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         jnp.broadcast_shapes(*(x.shape for x in present)), present[0].dtype)
     _check_named(implementation, query, key, value, combined, sinks, q_lengths, kv_lengths,
                  params, q_ids, kv_ids)
-    may_be_empty = _rows_may_be_empty(bias is not None or mask is not None or q_ids is not None,
-                                      kv_lengths, window_left, t, s)
+    has_mask = bias is not None or mask is not None or q_ids is not None
+    empty_by_length_only = (kv_lengths is not None and not has_mask and sinks is None
+                            and window_left < 0 and window_right < 0 and s > 0)
+    may_be_empty = (not empty_by_length_only
+                    and _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s))
     # lse is read for the residual and by _jax_nn_empty_rows
     params = dataclasses.replace(
         params, lse_used=return_residual or may_be_empty or q_lengths is not None)
     out, residual = _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths,
-                                   q_ids, kv_ids, params=params, may_be_empty=may_be_empty)
+                                   q_ids, kv_ids, params=params, may_be_empty=may_be_empty,
+                                   empty_by_length_only=empty_by_length_only)
     out = out.reshape(output_shape)
     if return_residual:
         residual = jax.lax.stop_gradient(residual).astype(key.dtype)
@@ -464,20 +468,34 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("params", "may_be_empty"))
+@functools.partial(jax.jit, static_argnames=("params", "may_be_empty", "empty_by_length_only"))
 def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                   kv_segment_ids, params, may_be_empty):
+                   kv_segment_ids, params, may_be_empty, empty_by_length_only=False):
     """The jax.nn entry's computation, jitted (see `_attend`): (out, residual lse B T N)."""
     combined = bias
     if mask is not None:  # both: one additive mask (masked entries can never be seen)
         combined = mask if bias is None else jnp.where(
             mask, bias, jnp.asarray(-jnp.inf, bias.dtype))
+    no_keys = None
+    if empty_by_length_only:
+        # Only a kv length <= 0 empties a row, and jax.nn then averages every value
+        # uniformly: such batch rows attend to all keys with zero scores (q = 0), which is
+        # that average, rather than a mean of V on the side (a second read of V per call).
+        no_keys = kv_lengths <= 0
+        query = jnp.where(no_keys[:, None, None, None], jnp.zeros((), query.dtype), query)
+        kv_lengths = jnp.where(no_keys, key.shape[1], kv_lengths)
     out, lse = _run(query, key, value, combined, sinks, q_lengths, kv_lengths, params,
                     q_segment_ids, kv_segment_ids)
     t, n = query.shape[1], query.shape[2]
     if may_be_empty or q_lengths is not None:
         out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
+    if no_keys is not None:
+        lse = jnp.where(no_keys[:, None, None], _JAX_NN_EMPTY_LSE, lse)
     return out, jnp.swapaxes(lse, 1, 2)  # B N T -> B T N
+
+
+# jax.nn's masked logit, and so the lse of a row with nothing visible
+_JAX_NN_EMPTY_LSE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s):
@@ -493,7 +511,7 @@ def _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, uniform_possible=True):
     key averages all values uniformly (padded query rows are then zeroed); its lse is
     that large negative number. Reproduce both from our lse = -inf."""
     empty = jnp.isneginf(lse)  # [B, N, T]
-    large_negative = -0.7 * float(np.finfo(np.float32).max)
+    large_negative = _JAX_NN_EMPTY_LSE
     if not uniform_possible:  # only padded rows: their output is already 0
         return out, jnp.where(empty, large_negative, lse)
     if q_lengths is not None:

@@ -119,7 +119,8 @@ def test_matches_jax_nn_xla(impl, case, rng):
 GRAD_CASES = [NnCase(), NnCase(is_causal=True, q_lengths=True, kv_lengths=True),
               NnCase(bias=(1, "n", "t", "s")), NnCase(mask=("b", "n", "t", "s"),
                                                          empty_row=True),
-              NnCase(window=(3, 2)), NnCase(unbatched=True, n=4, k=1)]
+              NnCase(window=(3, 2)), NnCase(unbatched=True, n=4, k=1),
+              NnCase(kv_lengths=True), NnCase(q_lengths=True, kv_lengths=True, k=2)]
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=NnCase.id)
