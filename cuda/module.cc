@@ -78,6 +78,9 @@ NB_MODULE(_sdpa_cuda, m) {
       m, "decode_default_kernel",
       [](const jax_sdpa::SdpaParams& p) { return std::string(decode::default_kernel_name(p)); },
       "The decode kernel the default plan runs on an sm_90+ GPU ('' where not built).");
+  def_shape_fact(m, "paged_decode_unsupported_reason", &decode::paged_unsupported_reason,
+                 "Why the decode kernels can't read a paged call of these shapes in place ('' "
+                 "when they can; the paged target then runs the flash feature kernel).");
   def_shape_fact(m, "flash_unsupported_reason", &flash::unsupported_reason,
                  "Why the flash kernels can't serve these shapes ('' when they can).");
   m.def(

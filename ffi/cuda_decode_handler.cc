@@ -43,6 +43,39 @@ auto bind_decode_fwd(Binding binding) {
       bind_sdpa_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());  // workspace
 }
 
+// Plans and launches our decode kernels (contiguous or paged K/V) into the call's
+// workspace result.
+ffi::Error run_decode(const SdpaParams& p, const SdpaFwdBuffers& buf, ffi::AnyBuffer workspace,
+                      cudaStream_t stream, const char* who) {
+  // The workspace (any dtype, read as bytes; the Python side makes it uint8): its
+  // 16-byte aligned part is what the plan may use (XLA's buffers are aligned anyway).
+  auto ws = workspace.dimensions();
+  if (ws.size() != 1)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_sdpa ") + who + ": the workspace result must be a 1-D byte buffer");
+  char* ws_ptr = static_cast<char*>(workspace.untyped_data());
+  size_t ws_bytes = workspace.size_bytes();
+  const size_t skew = (16 - reinterpret_cast<uintptr_t>(ws_ptr) % 16) % 16;
+  if (ws_ptr == nullptr || ws_bytes < skew) {
+    ws_ptr = nullptr;
+    ws_bytes = 0;
+  } else {
+    ws_ptr += skew;
+    ws_bytes -= skew;
+  }
+
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_error(who, "cudaGetDevice", e);
+  cuda_decode::DecodePlan plan;
+  e = cuda_decode::make_plan(p, device, ws_bytes, &plan);
+  if (e != cudaSuccess) return cuda_error(who, "planning the launch", e);
+  (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
+  e = cuda_decode::launch(p, buf, plan, ws_ptr, ws_bytes, stream);
+  if (e != cudaSuccess) return cuda_error(who, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
@@ -72,42 +105,17 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     return ffi::Error::Success();
   }
 
-  // The workspace (any dtype, read as bytes; the Python side makes it uint8): its
-  // 16-byte aligned part is what the plan may use (XLA's buffers are aligned anyway).
-  auto ws = workspace->dimensions();
-  if (ws.size() != 1)
-    return ffi::Error::InvalidArgument(
-        "jax_sdpa cuda decode: the workspace result must be a 1-D byte buffer");
-  char* ws_ptr = static_cast<char*>(workspace->untyped_data());
-  size_t ws_bytes = workspace->size_bytes();
-  const size_t skew = (16 - reinterpret_cast<uintptr_t>(ws_ptr) % 16) % 16;
-  if (ws_ptr == nullptr || ws_bytes < skew) {
-    ws_ptr = nullptr;
-    ws_bytes = 0;
-  } else {
-    ws_ptr += skew;
-    ws_bytes -= skew;
-  }
-
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return cuda_error("cuda decode", "cudaGetDevice", e);
-  cuda_decode::DecodePlan plan;
-  e = cuda_decode::make_plan(p, device, ws_bytes, &plan);
-  if (e != cudaSuccess) return cuda_error("cuda decode", "planning the launch", e);
-  (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
-  e = cuda_decode::launch(p, buf, plan, ws_ptr, ws_bytes, stream);
-  if (e != cudaSuccess) return cuda_error("cuda decode", "kernel launch", e);
-  return ffi::Error::Success();
+  return run_decode(p, buf, *workspace, stream, "cuda decode");
 }
 
 // ---- the paged forward `jax_sdpa_cuda_paged_fwd` ----------------------------------------
 // q, k_pages, v_pages, page_indices, kv_lengths, sinks -> out, lse, workspace (the decode
-// target's third result, unused here) (docs/ffi_contract.md, "Paged KV"). The pages are read
-// in place by the flash forward's feature kernel (cuda/flash/flash_attention.cuh,
-// load_paged_tile): an out-of-range page index makes that page's keys invisible and is never
-// dereferenced, keys past the kv length are never read. Soft-capping is served, segment ids
-// can't reach a paged call.
+// target's split-K workspace) (docs/ffi_contract.md, "Paged KV"). The pages are read in place:
+// by our decode kernel (decode_tc_kernel<..., PAGED>: 16-bit, D = Dv in {64, 128, 256}, no
+// soft cap; cuda_decode::paged_unsupported_reason), else by the flash forward's feature
+// kernel (cuda/flash/flash_attention.cuh, load_paged_tile). Either way an out-of-range page
+// index makes that page's keys invisible and is never dereferenced, and keys past the kv
+// length are never read. Soft-capping is served, segment ids can't reach a paged call.
 constexpr uint32_t kPagedServedFeatures = kFeatureLogitsSoftCap;
 
 template <typename Binding>
@@ -121,7 +129,6 @@ ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer kv_lengths, ffi::AnyBuffer sinks,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                             ffi::Result<ffi::AnyBuffer> workspace, SdpaAttrs attrs) {
-  (void)workspace;
   SdpaParams p;
   SdpaFwdBuffers buf;
   if (auto e = unpack_paged_forward(attrs, q, k_pages, v_pages, page_indices, kv_lengths, sinks,
@@ -134,6 +141,8 @@ ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
       e.failure())
     return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
+  if (p.features() == 0 && cuda_decode::paged_unsupported_reason(p).empty())
+    return run_decode(p, buf, *workspace, stream, "cuda paged");
   (void)cudaGetLastError();
   // fp32: split-TF32, as accurate as the decode kernels' fp32 FMAs.
   cudaError_t e = cuda_flash::launch_forward(p, buf, cuda_flash::Fp32Mode::kHighest, stream);

@@ -640,6 +640,13 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
         return _no(why)
     if (r := _unserved_features(cfg, target, f"the {name} paged kernel")):
         return r
+    if name == "cuda":
+        why = "soft-capping" if cfg.features else _native().paged_decode_unsupported_reason(
+            *_shape_args(cfg))
+        kernel = ("our decode kernel through the page table" if not why else
+                  f"the flash forward's feature kernel ({why} rules out the paged decode "
+                  "kernel)")
+        return _ok(f"reads the pages in place with {kernel} [{target}]")
     return _ok(f"reads the pages in place [{target}]")
 
 

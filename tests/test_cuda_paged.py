@@ -103,3 +103,12 @@ def test_paged_matches_the_gathered_cache(rng, layout, dtype, page_size, lq, d):
 def test_paged_soft_cap_sinks_no_mask(rng, layout):
     _case(rng, dtype="bfloat16", layout=layout, page_size=16, lq=2, d=128, causal=False,
           cap=4.0, sinks=True)
+
+
+@pytest.mark.parametrize("dtype,page_size,d", [("bfloat16", 16, 128), ("float16", 64, 64),
+                                              ("bfloat16", 8, 256)])
+def test_paged_decode_long_cache(rng, dtype, page_size, d):
+    """Long caches, where the decode kernel splits the keys over blocks (split-K partials
+    and their merge), GQA 4, page sizes below, at and above its 16-key tile."""
+    _case(rng, dtype=dtype, layout="PHSD", page_size=page_size, lq=1, d=d, hq=16, hk=4, b=3,
+          pps=4096 // page_size)

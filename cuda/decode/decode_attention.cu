@@ -441,6 +441,17 @@ std::string unsupported_reason(const SdpaParams& p) {
   return "";
 }
 
+std::string paged_unsupported_reason(const SdpaParams& p) {
+  if (p.dtype == DType::kF32) return "fp32 has no paged decode kernel";
+  if (std::string why = unsupported_reason(p); !why.empty()) return why;
+  KernelVariant want = default_request();
+  want.paged = true;
+  if (select_kernel(p.dtype, p.head_dim, p.head_dim_v, rows_per_block(p), want).func == nullptr)
+    return "head dims (D=" + std::to_string(p.head_dim) + ", Dv=" +
+           std::to_string(p.head_dim_v) + ") have no paged decode kernel (D = Dv in {64, 128, 256})";
+  return "";
+}
+
 namespace {
 
 // make_plan's work on a cache miss (knobs read here; make_plan keys the cache on them).
@@ -459,6 +470,10 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   }
   const KnobRequest req = knob_request();
   KernelVariant want = req.want;
+  if (p.paged()) {  // one kernel reads pages: decode_tc_kernel<..., PAGED>, default shape
+    want = default_request();
+    want.paged = true;
+  }
   const int64_t min_split_bytes =
       static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", tuning::kMinSplitKiB))) * 1024;
 
@@ -482,7 +497,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // A kernel past the device's smem limit (an A100 has 163 KB a block) falls back to
   // the 150 KB D512 variants.
   for (const auto& ws : {std::make_pair(2, 2), std::make_pair(4, 1)}) {
-    if (k.smem <= f.max_smem_optin || !k.tensor_cores) break;
+    if (k.smem <= f.max_smem_optin || !k.tensor_cores || k.variant.paged) break;
     KernelVariant smaller;
     smaller.warps = ws.first;
     smaller.stages = ws.second;
@@ -639,7 +654,8 @@ std::string plan_key(const SdpaParams& p, int device, size_t workspace_bytes) {
                        static_cast<int64_t>(p.mask_kind), static_cast<int64_t>(p.mask_dtype),
                        p.mask_stride[0], p.mask_stride[1], p.mask_stride[2], p.mask_stride[3],
                        p.sinks != nullptr, p.sinks_batch_stride, p.q_lengths != nullptr,
-                       p.kv_lengths != nullptr, device, static_cast<int64_t>(workspace_bytes)};
+                       p.kv_lengths != nullptr, p.paged(), p.page_size, device,
+                       static_cast<int64_t>(workspace_bytes)};
   std::string key(reinterpret_cast<const char*>(f), sizeof(f));
   key += knob_snapshot();
   return key;
@@ -742,6 +758,10 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   a.counters = nullptr;
   a.part_o = nullptr;
   a.part_lse = nullptr;
+  a.pages = p.page_indices;
+  a.pages_per_seq = static_cast<int>(p.pages_per_seq);
+  a.page_size = static_cast<int>(p.page_size > 0 ? p.page_size : 1);
+  a.num_pages = static_cast<int>(p.num_pages);
   const int64_t units = p.batch * p.heads_kv * plan.row_chunks;
   if (plan.num_splits > 1) {
     const WorkspaceLayout& w = plan.workspace;

@@ -57,9 +57,11 @@ struct KernelVariant {
   bool tma = false;           // decode_tma_kernel (sm_90+): W consumer warps, S block-wide stages
   int step_tiles = 0;         // decode_wide_tma_kernel (wide && tma): 16-key tiles a step
   bool cluster = false;       // decode_tma_kernel: the splits of a unit merge in a cluster
+  bool paged = false;         // decode_tc_kernel reading paged K/V through the page table
   bool operator==(const KernelVariant& o) const {
     return warps == o.warps && stages == o.stages && prefetch == o.prefetch && wide == o.wide &&
-           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster;
+           tma == o.tma && step_tiles == o.step_tiles && cluster == o.cluster &&
+           paged == o.paged;
   }
 };
 
@@ -81,6 +83,12 @@ struct DecodePlan {
 
 // Empty when our kernels can serve `p`, else why not (shown to the user).
 std::string unsupported_reason(const SdpaParams& p);
+
+// Empty when our decode kernels read the pages of a paged call of these shapes in place
+// (16-bit, D = Dv in kPagedHeadDim of decode_kernels.h), else why not. The paged target runs
+// them for calls without a feature (soft cap), the flash forward's feature kernel for the
+// rest.
+std::string paged_unsupported_reason(const SdpaParams& p);
 
 // The (D, Dv) pairs the kernels are built for.
 std::vector<std::pair<int, int>> built_head_dims();

@@ -48,6 +48,10 @@ struct Args {
   JAX_SDPA_KERNEL_STRIDE_FIELDS
   float scale_log2;  // scale * log2(e)
   JAX_SDPA_KERNEL_MASK_FIELDS
+  // Paged K/V (decode_tc_kernel<..., PAGED>; null otherwise): k / v strides are then
+  // (page, head, slot) and Lk is pages_per_seq * page_size (SdpaParams' page fields).
+  const int32_t* pages;
+  int pages_per_seq, page_size, num_pages;
 };
 
 // ---- small device helpers ----------------------------------------------------
@@ -473,6 +477,59 @@ __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int
       cp_async16_l2<PF>(dst + key * P + c * EPV, base + (ok ? j * st : 0) + c * EPV, ok);
     }
   }
+}
+
+// ---- paged K/V ------------------------------------------------------------------
+// Key j0 + r of a tile (r < 16) lives at page * st[0] + slot * st[2] of the pools, found
+// through its batch row's page-table row `table` by lane r once a tile: the lane's K and V
+// offsets, and the warp's bitmask of the tile's readable keys (below jend, on a page index
+// inside [0, num_pages); cuda_common::physical_page). Keys outside it are never read.
+struct PagedRows {
+  int64_t koff, voff;  // lane r's key row (lanes 16..31: lane - 16's)
+  unsigned readable;   // bit r: key j0 + r is read
+};
+
+__device__ __forceinline__ PagedRows paged_rows(const Args& a, const int32_t* table, int j0,
+                                                int jend, int lane) {
+  const int j = j0 + (lane & 15);
+  int page = -1, slot = 0;
+  if (j < jend) {
+    const int logical = j / a.page_size;
+    slot = j - logical * a.page_size;
+    const int idx = table[logical];
+    page = idx >= 0 && idx < a.num_pages ? idx : -1;
+  }
+  PagedRows r;
+  r.koff = page >= 0 ? page * a.ks[0] + slot * a.ks[2] : 0;
+  r.voff = page >= 0 ? page * a.vs[0] + slot * a.vs[2] : 0;
+  r.readable = __ballot_sync(0xffffffffu, page >= 0) & 0xffffu;
+  return r;
+}
+
+// One warp copies the C 16-byte chunks of each of the tile's 16 key rows at base + lane
+// r's offset `off` (shuffled to the copying lanes); unreadable rows are zero-filled.
+template <typename T, int C, int P, int PF>
+__device__ __forceinline__ void load_paged_rows(T* dst, const T* base, int64_t off,
+                                                unsigned readable, int lane) {
+  constexpr int EPV = 16 / sizeof(T);
+  static_assert((kTileKeys * C) % 32 == 0, "decode: paged copy shape");
+#pragma unroll
+  for (int it = 0; it < kTileKeys * C / 32; ++it) {
+    const int idx = it * 32 + lane;
+    const int key = idx / C, c = idx - key * C;
+    const int64_t row = __shfl_sync(0xffffffffu, off, key);
+    const bool ok = (readable >> key) & 1u;
+    cp_async16_l2<PF>(dst + key * P + c * EPV, base + (ok ? row : 0) + c * EPV, ok);
+  }
+}
+
+template <typename T, int D, int DV, int DP, int DVP, int PF>
+__device__ __forceinline__ void load_paged_tile(T* stage, const T* kbase, const T* vbase,
+                                                const PagedRows& rows, int lane) {
+  constexpr int EPV = 16 / sizeof(T);
+  load_paged_rows<T, D / EPV, DP, PF>(stage, kbase, rows.koff, rows.readable, lane);
+  load_paged_rows<T, DV / EPV, DVP, PF>(stage + kTileKeys * DP, vbase, rows.voff,
+                                        rows.readable, lane);
 }
 
 // Issues the cp.async copies of one 16-key tile of K (D wide) and V (DV wide)

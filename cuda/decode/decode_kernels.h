@@ -272,8 +272,27 @@ KernelInfo wide_select(int nw, int s) {
   return KernelInfo{};
 }
 
+// decode_tc_kernel over paged K/V, in its default shape (W, S as TcDefault): built for the
+// head dims of kPagedHeadDim.
+template <int D, int DV>
+constexpr bool kPagedHeadDim = D == DV && (D == 64 || D == 128 || D == 256);
+
+template <typename T, int D, int DV, int NT>
+KernelInfo tc_paged_info() {
+  constexpr int W = TcDefault<D, DV>::W, S = TcDefault<D, DV>::S;
+  using Cfg = TcConfig<T, D, DV, NT, W, S>;
+  KernelVariant v{W, S, kTcPrefetch, false};
+  v.paged = true;
+  return kernel_info<&decode_tc_kernel<T, D, DV, NT, W, S, kTcPrefetch, true>, T, DV>(
+      Cfg::kThreads, Cfg::kSmem, true, v);
+}
+
 template <typename T, int D, int DV, int NT>
 KernelInfo tc_select(const KernelVariant& want) {
+  if (want.paged) {
+    if constexpr (kPagedHeadDim<D, DV>) return tc_paged_info<T, D, DV, NT>();
+    return KernelInfo{};
+  }
   int w = want.warps, s = want.stages;
   const int pf = want.prefetch;
   if (want.tma && want.wide) {  // (NW, S) name a wide TMA variant: else the default

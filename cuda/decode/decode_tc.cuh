@@ -187,8 +187,9 @@ struct TcConfig {
       (kQBytes + kRingBytes) > kRedBytes ? (kQBytes + kRingBytes) : kRedBytes;
 };
 
-// PF: the copies' L2 mode (cp_async16_l2).
-template <typename T, int D, int DV, int NT, int W, int S, int PF>
+// PF: the copies' L2 mode (cp_async16_l2). PAGED: K and V are page pools read through the
+// page table (paged_rows): a key the table doesn't place is zero-filled and invisible.
+template <typename T, int D, int DV, int NT, int W, int S, int PF, bool PAGED = false>
 __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage;
@@ -208,16 +209,23 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
   const int my_tiles = ntiles > w ? (ntiles - w + W - 1) / W : 0;
 
-  const T* kbase = reinterpret_cast<const T*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
-  const T* vbase = reinterpret_cast<const T*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  // (paged: no batch offset; the page table places each key)
+  const T* kbase = reinterpret_cast<const T*>(a.k) + (PAGED ? 0 : b * a.ks[0]) + kvh * a.ks[1];
+  const T* vbase = reinterpret_cast<const T*>(a.v) + (PAGED ? 0 : b * a.vs[0]) + kvh * a.vs[1];
+  const int32_t* table = PAGED ? a.pages + static_cast<int64_t>(b) * a.pages_per_seq : nullptr;
   T* myring = ring + w * S * STAGE;
+  auto issue = [&](T* stage, int j0) {
+    if constexpr (PAGED)
+      load_paged_tile<T, D, DV, DP, DVP, PF>(stage, kbase, vbase,
+                                             paged_rows(a, table, j0, ks1, lane), lane);
+    else
+      load_tile<T, D, DV, DP, DVP, PF>(stage, kbase, vbase, a.ks[2], a.vs[2], j0, ks1, lane);
+  };
 
   // Start the first tiles' copies before anything else.
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < my_tiles)
-      load_tile<T, D, DV, DP, DVP, PF>(myring + st * STAGE, kbase, vbase, a.ks[2], a.vs[2],
-                                   ks0 + (w + st * W) * kTileKeys, ks1, lane);
+    if (st < my_tiles) issue(myring + st * STAGE, ks0 + (w + st * W) * kTileKeys);
     cp_async_commit();
   }
 
@@ -243,9 +251,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   for (int it = 0; it < my_tiles; ++it) {
     {
       const int nx = it + S - 1;
-      if (nx < my_tiles)
-        load_tile<T, D, DV, DP, DVP, PF>(myring + (nx % S) * STAGE, kbase, vbase, a.ks[2], a.vs[2],
-                                     ks0 + (w + nx * W) * kTileKeys, ks1, lane);
+      if (nx < my_tiles) issue(myring + (nx % S) * STAGE, ks0 + (w + nx * W) * kTileKeys);
       cp_async_commit();
     }
     cp_async_wait<S - 1>();
@@ -253,6 +259,8 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
     const T* Ks = myring + (it % S) * STAGE;
     const T* Vs = Ks + kTileKeys * DP;
     const int j0 = ks0 + (w + it * W) * kTileKeys;
+    // paged: the keys the table places (the others were zero-filled; their scores -inf)
+    const unsigned readable = PAGED ? paged_rows(a, table, j0, ks1, lane).readable : 0u;
 
     // Thread (g, t) reads 8 consecutive head-dim elements [32c + 8t, +8) of Q rows g,
     // g+8 and K keys g, g+8; elements {0..3} feed the first k16 step and {4..7} the
@@ -270,7 +278,11 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
         k1 = *reinterpret_cast<const uint4*>(Ks + (g + 8) * DP + d);
       }
     };
-    auto key = [&](int n, int e1) { return j0 + 8 * n + 2 * t + e1; };
+    auto key = [&](int n, int e1) {
+      const int r = 8 * n + 2 * t + e1;
+      if constexpr (PAGED) return (readable >> r) & 1u ? j0 + r : -1;  // -1: before first
+      return j0 + r;
+    };
     auto pv = [&](int c, uint4& v0, uint4& v1, uint4& v2, uint4& v3) {
       const int dv = 64 * c + 8 * g;
       v0 = v1 = v2 = v3 = make_uint4(0, 0, 0, 0);
