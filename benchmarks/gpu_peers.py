@@ -79,6 +79,10 @@ ROWS = [
         lengths=True, page_size=64),
     row("paged decode B64 H32/KV8 Lk2048 D128 page 16", "paged", 64, 32, 8, 1, 2048, 128,
         lengths=True, page_size=16),
+    row("paged decode B8 H32/KV8 Lk8192 D128 fp32 page 64", "paged", 8, 32, 8, 1, 8192, 128,
+        lengths=True, page_size=64, dtype=F32),
+    row("paged decode B8 H32/KV8 Lk8192 D64 fp16 page 16", "paged", 8, 32, 8, 1, 8192, 64,
+        lengths=True, page_size=16, dtype=F16),
 ]
 
 
