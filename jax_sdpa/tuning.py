@@ -61,19 +61,19 @@ ROWS = {
         "16-bit backward at head dims > 256 on a GPU: XLA's materialized backward (after our "
         "flash forward) up to this many bytes of float32 scores; our wgmma flash backward "
         "ran B1 H16 L4096 D512 causal fwd+bwd at 157 TFLOP/s against 222 for jax.nn's xla "
-        "(peers.json); with this row None ran it at 236, our flash backward 155, jax.nn's "
-        "xla 221, in one run (peers_dispatch.json). Those fwd+bwd figures returned dq alone, "
-        "which let XLA drop its dk / dv work; with all three gradients None ran it at 144 "
-        "against jax.nn xla's 174 (peers_prefill.json): this row awaits a re-measure",
-        "benchmarks/results/h200/peers.json, benchmarks/results/h200/peers_dispatch.json, "
-        "benchmarks/results/h200/peers_prefill.json"),
+        "(peers.json). With all three gradients, one run (wide_bwd.json): our flash "
+        "forward+backward 6.24 ms, our flash forward 1.29 ms, this backward alone 2.95 ms "
+        "with P and dS in bf16 (XLA_GPU_PROBS_IN_INPUT_DTYPE; 5.34 in float32), jax.nn "
+        "xla's forward+backward 5.46 ms",
+        "benchmarks/results/h200/peers.json, benchmarks/results/h200/wide_bwd.json"),
     "XLA_GPU_PROBS_IN_INPUT_DTYPE": Row(
         True,
         "16-bit calls of our XLA path on a GPU round P and dS to the input dtype before "
         "their matmuls (what cuDNN, our flash kernels and jax.nn's autodiff feed the tensor "
         "cores): the backward of B1 H16 L4096 D512 causal ran in 2.95 ms against 5.34 ms "
-        "with float32 operands, the forward+backward of None 4.2 ms against jax.nn xla's "
-        "5.5; on a CPU they stay float32 (more accurate, and XLA's CPU dots gain nothing)",
+        "with float32 operands (non-causal 3.00 vs 5.47); our flash forward (1.29 ms) plus "
+        "it sums to 4.2 ms against jax.nn xla's 5.46 for forward+backward (the composed call "
+        "not yet timed); on a CPU they stay float32 (more accurate)",
         "benchmarks/results/h200/wide_bwd.json"),
     "CUDA_FLASH_FOR_FEATURES": Row(
         {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
