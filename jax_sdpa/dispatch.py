@@ -650,6 +650,20 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     return _ok(f"reads the pages in place [{target}]")
 
 
+def _paged_decode_kernel_reads(cfg: Config) -> bool:
+    """Whether our CUDA paged target runs the paged decode kernel (not the flash feature
+    kernel) for this call, as the CUDA module says."""
+    return not cfg.features and not _native().paged_decode_unsupported_reason(*_shape_args(cfg))
+
+
+def _paged_preferred(name: str, cfg: Config) -> bool:
+    """Whether implementation=None takes `name` for a paged call it serves: our CUDA target
+    only where the paged decode kernel reads the pages (CUDA_PAGED_FLASH_FOR_NONE of
+    jax_sdpa/tuning.py), else the XLA gather."""
+    return (name != "cuda" or tuning.CUDA_PAGED_FLASH_FOR_NONE
+            or _paged_decode_kernel_reads(cfg))
+
+
 def _paged_preference(platform: str):
     if platform == "cuda":
         return ["cuda", "cudnn"]
@@ -663,7 +677,8 @@ def plan_paged(cfg: Config, platform: str, implementation: Optional[str] = None)
     NotImplementedError with its reason; None takes the first fused one whose module serves
     paged calls, else xla / xla_chunked (never fails for want of a kernel)."""
     if implementation is None:
-        names = [n for n in _paged_preference(platform) if _paged_verdict(n, cfg, platform)[0]]
+        names = [n for n in _paged_preference(platform)
+                 if _paged_verdict(n, cfg, platform)[0] and _paged_preferred(n, cfg)]
         name = names[0] if names else _xla_choice(cfg)
     else:
         name = implementation

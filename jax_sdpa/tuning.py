@@ -64,17 +64,26 @@ ROWS = {
         "(peers.json). With all three gradients, one run (wide_bwd.json): our flash "
         "forward+backward 6.24 ms, our flash forward 1.29 ms, this backward alone 2.95 ms "
         "with P and dS in bf16 (XLA_GPU_PROBS_IN_INPUT_DTYPE; 5.34 in float32), jax.nn "
-        "xla's forward+backward 5.46 ms",
-        "benchmarks/results/h200/peers.json, benchmarks/results/h200/wide_bwd.json"),
+        "xla's forward+backward 5.46 ms; None with this row 4.34 ms",
+        "benchmarks/results/h200/peers.json, benchmarks/results/h200/wide_bwd.json, "
+        "benchmarks/results/h200/peers_decode.json"),
     "XLA_GPU_PROBS_IN_INPUT_DTYPE": Row(
         True,
         "16-bit calls of our XLA path on a GPU round P and dS to the input dtype before "
         "their matmuls (what cuDNN, our flash kernels and jax.nn's autodiff feed the tensor "
         "cores): the backward of B1 H16 L4096 D512 causal ran in 2.95 ms against 5.34 ms "
-        "with float32 operands (non-causal 3.00 vs 5.47); our flash forward (1.29 ms) plus "
-        "it sums to 4.2 ms against jax.nn xla's 5.46 for forward+backward (the composed call "
-        "not yet timed); on a CPU they stay float32 (more accurate)",
+        "with float32 operands (non-causal 3.00 vs 5.47); with it None (our flash forward "
+        "and this backward) ran that row's forward+backward in 4.34 ms against jax.nn xla's "
+        "5.47 (221.6 vs 175.9 TFLOP/s, peers_decode.json); on a CPU they stay float32",
         "benchmarks/results/h200/wide_bwd.json"),
+    "CUDA_PAGED_FLASH_FOR_NONE": Row(
+        False,
+        "implementation=None runs a paged call on our CUDA paged target only where the paged "
+        "decode kernel reads its pages (16-bit, D = Dv in {64, 128, 256}, no soft cap: B8 "
+        "H32/KV8 Lk8192 D128 bf16 page 64 2602 GB/s, flash-attn3-jax 2146, our XLA gather "
+        "1029); the flash feature kernel's paged path ran the fp32 row at 6.1 ms against "
+        "0.43 ms for the XLA gather, so there None takes the gather",
+        "benchmarks/results/h200/peers_decode.json"),
     "CUDA_FLASH_FOR_FEATURES": Row(
         {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
         "16-bit prefill with a feature cuDNN doesn't serve: our CUDA flash kernels in these "
@@ -101,3 +110,4 @@ CUDA_FLASH_FOR_FEATURES = ROWS["CUDA_FLASH_FOR_FEATURES"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
 XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value
+CUDA_PAGED_FLASH_FOR_NONE = ROWS["CUDA_PAGED_FLASH_FOR_NONE"].value

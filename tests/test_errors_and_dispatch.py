@@ -427,15 +427,19 @@ def test_decode_with_lengths_runs_our_decode_kernel(fake_h200):
         assert dispatch.choose(cfg, "cuda", "fwd") == want, dispatch.explain_choice(cfg, "cuda")
 
 
-@pytest.mark.parametrize("dtype, d, cap, says", [
-    ("bfloat16", 128, 0.0, "our decode kernel through the page table"),
-    ("float16", 64, 0.0, "our decode kernel through the page table"),
-    ("float32", 128, 0.0, "feature kernel (fp32 has no paged decode kernel"),
-    ("bfloat16", 96, 0.0, "feature kernel (head dims (D=96, Dv=96) have no paged decode"),
-    ("bfloat16", 128, 30.0, "feature kernel (soft-capping rules out"),
+@pytest.mark.parametrize("dtype, d, cap, says, chosen", [
+    ("bfloat16", 128, 0.0, "our decode kernel through the page table", "cuda"),
+    ("float16", 64, 0.0, "our decode kernel through the page table", "cuda"),
+    ("float32", 128, 0.0, "feature kernel (fp32 has no paged decode kernel", "xla"),
+    ("bfloat16", 96, 0.0, "feature kernel (head dims (D=96, Dv=96) have no paged decode",
+     "xla"),
+    ("bfloat16", 128, 30.0, "feature kernel (soft-capping rules out", "xla"),
 ])
-def test_cuda_paged_explains_which_kernel_reads_the_pages(fake_h200, dtype, d, cap, says):
-    """The paged target's kernel, as the CUDA module says (paged_decode_unsupported_reason)."""
+def test_cuda_paged_explains_which_kernel_reads_the_pages(fake_h200, dtype, d, cap, says,
+                                                          chosen):
+    """The paged target's kernel, as the CUDA module says (paged_decode_unsupported_reason);
+    None takes the target only where the paged decode kernel reads the pages
+    (CUDA_PAGED_FLASH_FOR_NONE), else the XLA gather."""
     from jax_sdpa import _ext
     from jax_sdpa.config import Config, StaticParams
     dispatch = fake_h200
@@ -445,9 +449,9 @@ def test_cuda_paged_explains_which_kernel_reads_the_pages(fake_h200, dtype, d, c
     shapes = ((8, 32, 1, d), (8, 8, 8192, d), (8, 8, 8192, d))
     cfg = Config.from_shapes(*shapes, dt, None, None, False, False, True,
                              StaticParams(scale=0.1, logits_soft_cap=cap))
-    chosen, verdicts = dispatch.explain_paged_choice(cfg, "cuda")
+    picked, verdicts = dispatch.explain_paged_choice(cfg, "cuda")
     ok, why = verdicts["cuda"]
-    assert chosen == "cuda" and ok and says in why, why
+    assert picked == chosen and ok and says in why, (picked, why)
 
 
 @pytest.mark.parametrize("direction, knob", [("fwd", "JAX_SDPA_FLASH_WGMMA"),
