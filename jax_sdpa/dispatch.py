@@ -641,8 +641,7 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     if (r := _unserved_features(cfg, target, f"the {name} paged kernel")):
         return r
     if name == "cuda":
-        why = "soft-capping" if cfg.features else _native().paged_decode_unsupported_reason(
-            *_shape_args(cfg))
+        why = _paged_decode_refusal(cfg)
         kernel = ("our decode kernel through the page table" if not why else
                   f"the flash forward's feature kernel ({why} rules out the paged decode "
                   "kernel)")
@@ -650,10 +649,13 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     return _ok(f"reads the pages in place [{target}]")
 
 
-def _paged_decode_kernel_reads(cfg: Config) -> bool:
-    """Whether our CUDA paged target runs the paged decode kernel (not the flash feature
-    kernel) for this call, as the CUDA module says."""
-    return not cfg.features and not _native().paged_decode_unsupported_reason(*_shape_args(cfg))
+def _paged_decode_refusal(cfg: Config) -> str:
+    """Why our CUDA paged target runs the flash feature kernel rather than the paged
+    decode kernel for this call ('' when the decode kernel reads the pages), as the CUDA
+    module says."""
+    if cfg.features:
+        return "soft-capping"
+    return _native().paged_decode_unsupported_reason(*_shape_args(cfg))
 
 
 def _paged_preferred(name: str, cfg: Config) -> bool:
@@ -661,7 +663,7 @@ def _paged_preferred(name: str, cfg: Config) -> bool:
     only where the paged decode kernel reads the pages (CUDA_PAGED_FLASH_FOR_NONE of
     jax_sdpa/tuning.py), else the XLA gather."""
     return (name != "cuda" or tuning.CUDA_PAGED_FLASH_FOR_NONE
-            or _paged_decode_kernel_reads(cfg))
+            or not _paged_decode_refusal(cfg))
 
 
 def _paged_preference(platform: str):
