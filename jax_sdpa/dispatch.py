@@ -438,8 +438,11 @@ def _decode_pick(call: "_Call") -> Optional[str]:
         if (cfg.has_kv_lengths or cfg.has_q_lengths) and \
                 tuning.CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS:
             return "cuda"
-        if rows <= 4 and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (192, 256):
-            return "cuda" if big else "xla"
+        if rows <= 4 and cfg.head_dim == cfg.head_dim_v:
+            if cfg.head_dim in (192, 256):
+                return "cuda" if big else "xla"
+            if big and cfg.head_dim in tuning.CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS:
+                return "cuda"
         return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
             tuning.CUDA_DECODE_OVER_CUDNN_ROWS[1] else None
     if cfg.dtype == np.dtype(np.float32):
@@ -492,6 +495,19 @@ def _wide_backward_in_xla(cfg: Config, direction: str) -> bool:
             and cfg.score_bytes <= tuning.XLA_WIDE_BWD_MAX_SCORE_BYTES)
 
 
+def _wide_forward_in_xla(cfg: Config, direction: str) -> bool:
+    """Whether `implementation=None` runs a 16-bit forward at head dims > 256 with no band
+    (not causal, no window) as XLA's materialized forward rather than our flash forward:
+    the row XLA_WIDE_FWD_UNBANDED of jax_sdpa/tuning.py (bounded by the backward's score
+    budget, XLA_WIDE_BWD_MAX_SCORE_BYTES)."""
+    p = cfg.params
+    return (tuning.XLA_WIDE_FWD_UNBANDED and direction == "fwd" and not cfg.is_decode
+            and cfg.dtype != np.dtype(np.float32)
+            and max(cfg.head_dim, cfg.head_dim_v) > 256
+            and p.window_left < 0 and p.window_right < 0 and not cfg.features
+            and cfg.score_bytes <= tuning.XLA_WIDE_BWD_MAX_SCORE_BYTES)
+
+
 def _preference(call: "_Call"):
     """Fused implementations to try, fastest first, on this platform."""
     cfg, platform, direction = call.cfg, call.platform, call.direction
@@ -502,7 +518,8 @@ def _preference(call: "_Call"):
                 return ["cuda", "cudnn"]
             if pick == "xla":
                 return []  # our XLA path (_xla_choice)
-        if not call.cudnn[0] and _wide_backward_in_xla(cfg, direction):
+        if not call.cudnn[0] and (_wide_backward_in_xla(cfg, direction)
+                                  or _wide_forward_in_xla(cfg, direction)):
             return ["xla"]
         if not call.cudnn[0] and _cuda_flash_preferred(cfg, direction):
             return ["cuda"]

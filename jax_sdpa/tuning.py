@@ -31,6 +31,13 @@ ROWS = {
         "kv head (cuDNN re-reads K/V per query head once Lq > 1): B8 H32/KV8 Lk4096 D128 "
         "2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64",
         "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
+    "CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS": Row(
+        (128,),
+        "where cuDNN serves a 16-bit decode call with R <= 4 query rows per kv head and at "
+        "least CUDA_DECODE_MIN_KV_BYTES of K + V, our decode kernel at these head dims "
+        "(D = Dv): B8 H32/KV8 Lk8192 D128 3799 vs 3626 GB/s for our cuDNN graph, B1 "
+        "Lk32768 3127 vs 2948, B64 Lk2048 4078 vs 4044",
+        "benchmarks/results/h200/peers_decode.json"),
     "CUDA_DECODE_MIN_KV_BYTES": Row(
         32 << 20,
         "16-bit decode at D <= 256 that cuDNN can't serve (sinks before cuDNN 9.13, ...), "
@@ -67,6 +74,14 @@ ROWS = {
         "xla's forward+backward 5.46 ms; None with this row 4.34 ms",
         "benchmarks/results/h200/peers.json, benchmarks/results/h200/wide_bwd.json, "
         "benchmarks/results/h200/peers_decode.json"),
+    "XLA_WIDE_FWD_UNBANDED": Row(
+        True,
+        "16-bit forward at head dims > 256 with no causal band or window, on a GPU: XLA's "
+        "materialized forward (within XLA_WIDE_BWD_MAX_SCORE_BYTES), not our flash forward: "
+        "B1 H16 L4096 D512 non-causal, our flash forward 2.27 ms, our XLA forward 1.84, "
+        "forward+backward 5.37 ms through our flash forward against 4.41 with this row; "
+        "causal, our flash forward stays ahead (1.28 ms vs 1.93) and keeps the row",
+        "benchmarks/results/h200/wide_bwd.json"),
     "XLA_GPU_PROBS_IN_INPUT_DTYPE": Row(
         True,
         "16-bit calls of our XLA path on a GPU round P and dS to the input dtype before "
@@ -102,6 +117,7 @@ ROWS = {
 
 XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
 CUDA_DECODE_OVER_CUDNN_ROWS = ROWS["CUDA_DECODE_OVER_CUDNN_ROWS"].value
+CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS = ROWS["CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS"].value
 CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
@@ -109,5 +125,6 @@ CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
 CUDA_FLASH_FOR_FEATURES = ROWS["CUDA_FLASH_FOR_FEATURES"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
+XLA_WIDE_FWD_UNBANDED = ROWS["XLA_WIDE_FWD_UNBANDED"].value
 XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value
 CUDA_PAGED_FLASH_FOR_NONE = ROWS["CUDA_PAGED_FLASH_FOR_NONE"].value

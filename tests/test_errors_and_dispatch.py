@@ -318,7 +318,10 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512, window_right=0,
           bottom_right=True), "fwd", "cuda"),
     (dict(dtype="bfloat16", b=1, hq=16, hk=16, lq=4096, lk=4096, d=512), "bwd", "xla"),
-    (dict(dtype="bfloat16", d=512), "fwd", "cuda"),
+    # ... the forward with no band: XLA's materialized one within that budget
+    (dict(dtype="bfloat16", d=512), "fwd", "xla"),
+    (dict(dtype="bfloat16", d=512, window_right=0), "fwd", "cuda"),
+    (dict(dtype="bfloat16", d=512, window_left=64), "fwd", "cuda"),
     (dict(dtype="float16", d=320), "bwd", "xla"),
     (dict(dtype="bfloat16", d=512, dv=256), "fwd", "xla"),
     (dict(dtype="bfloat16", d=512, dv=256, lq=8192, lk=8192), "bwd", "xla"),  # 4 GiB
@@ -338,8 +341,11 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     (dict(b=1, hq=8, hk=1, lq=1, lk=4096, d=40), "fwd", "xla"),
     (dict(b=16, hq=32, hk=8, lq=1, lk=4096, d=40), "fwd", "xla"),  # decode can't: not flash
     (dict(dtype="bfloat16", b=4, hq=32, hk=4, lq=1, lk=4096, d=128), "fwd", "cuda"),  # R=8
-    # cuDNN serves these: ours for 4 < R <= 32 (measured crossover), cuDNN otherwise
-    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=4096, d=128), "fwd", "cudnn"),  # R=4
+    # cuDNN serves these: ours for 4 < R <= 32 (measured crossover), and at D128 for R <= 4
+    # from CUDA_DECODE_MIN_KV_BYTES of K + V; cuDNN otherwise
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=4096, d=128), "fwd", "cuda"),  # R=4
+    (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=4096, d=128), "fwd", "cudnn"),  # 17 MB
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=4096, d=64), "fwd", "cudnn"),  # D64
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=8, lk=4096, d=128), "fwd", "cuda"),  # R=32
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=16, lk=4096, d=128), "fwd", "cudnn"),  # R=64
     # ... and at D = Dv in {192, 256} plain decode too: ours from CUDA_DECODE_MIN_KV_BYTES
@@ -416,11 +422,11 @@ def test_cuda_flash_preferred_rule(fake_h200):
 def test_decode_with_lengths_runs_our_decode_kernel(fake_h200):
     """The KV-cache call (key_value_seq_lengths) goes to our decode kernel where cuDNN would
     serve it (CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS); without lengths the R <= 4 row stays
-    with cuDNN."""
+    with cuDNN at D64."""
     from jax_sdpa.config import Config, StaticParams
     dispatch = fake_h200
     dt = np.dtype(jnp.bfloat16)
-    shapes = ((1, 32, 1, 128), (1, 8, 32768, 128), (1, 8, 32768, 128))
+    shapes = ((1, 32, 1, 64), (1, 8, 32768, 64), (1, 8, 32768, 64))
     for lengths, want in ((True, "cuda"), (False, "cudnn")):
         cfg = Config.from_shapes(*shapes, dt, None, None, False, False, lengths,
                                  StaticParams(scale=0.1))
@@ -458,8 +464,9 @@ def test_cuda_paged_explains_which_kernel_reads_the_pages(fake_h200, dtype, d, c
                                              ("bwd", "JAX_SDPA_FLASH_WGMMA_BWD")])
 def test_wgmma_flash_needs_hopper_and_its_knob(fake_h200, monkeypatch, direction, knob):
     dispatch = fake_h200
-    small = _cfg(dtype="bfloat16", d=512)
-    # the forward's choice follows the wgmma kernel (the backward's is XLA's at this size)
+    small = _cfg(dtype="bfloat16", d=512, window_right=0)
+    # the causal forward's choice follows the wgmma kernel (the backward's is XLA's at this
+    # size)
     picks = (lambda: dispatch.choose(small, "cuda", direction)) if direction == "fwd" else None
     assert dispatch._wgmma_flash_runs(small, direction)
     assert picks is None or picks() == "cuda"
