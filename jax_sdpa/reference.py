@@ -147,6 +147,13 @@ def _scores(q, k, mask, params, precision, acc):
 
 def _visible_grouped(params, q, k, mask, q_lengths, kv_lengths, q_segment_ids,
                      kv_segment_ids):
+    """Bool [B or 1, Hk or 1, G or 1, Lq, Lk], or None where every key is visible to every
+    query (no lengths, window, boolean mask or segment ids): the materialized paths then
+    select nothing, so XLA fuses their softmax as it fuses jax.nn's."""
+    if (q_lengths is None and kv_lengths is None and q_segment_ids is None
+            and params.window_left < 0 and params.window_right < 0
+            and (mask is None or mask.dtype != jnp.bool_)):
+        return None
     b, hq, lq, _ = q.shape
     lk = k.shape[2]
     bool_mask = None
@@ -229,7 +236,8 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segme
     s, _ = _scores(q, k, mask, params, precision, acc)
     vis = _visible_grouped(params, q, k, mask, q_lengths, kv_lengths, q_segment_ids,
                            kv_segment_ids)
-    s = jnp.where(vis, s, NEG_INF)
+    if vis is not None:
+        s = jnp.where(vis, s, NEG_INF)
     m = jnp.max(s, axis=-1)
     if sinks is not None:
         m = jnp.maximum(m, _sink_logits(sinks, hk, acc))
@@ -242,9 +250,9 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segme
     pad = _padded_rows(q_lengths, b, lq)
     if pad is not None:
         lse = jnp.where(pad, NEG_INF, lse)
-    live = _live(lse)
-    p = jnp.where(live[..., None],
-                  p / jnp.where(live, total, jnp.ones((), acc))[..., None], jnp.zeros((), acc))
+    # a row with a sum of 0 (nothing visible, or a padded query row) has every p = 0:
+    # dividing by 1 keeps it 0 without a select over the scores
+    p = p / jnp.where(total == 0, jnp.ones((), acc), total)[..., None]
     out = jnp.einsum("bkgij,bkjd->bkgid", _pv_operand(p, v.dtype, acc, probs_dtype), v,
                      precision=precision, preferred_element_type=acc)
     out = out.reshape(b, hq, lq, v.shape[-1]).astype(q.dtype)
@@ -295,7 +303,7 @@ def _probs_dscores_block(s, vis, lse_g, dp, delta, slope, acc):
     mask's) and dS times the soft cap's slope (the gradient of scale * q.k; dS itself
     without a cap), where visible and the row is live, else 0 (selected, so that a NaN dP of
     a hidden key does not turn 0 into NaN)."""
-    live = vis & _live(lse_g)
+    live = _live(lse_g) if vis is None else vis & _live(lse_g)
     lse_safe = jnp.where(_live(lse_g), lse_g, jnp.zeros((), acc))
     zero = jnp.zeros((), acc)
     p = jnp.where(live, _exp_below(s - lse_safe), zero)
