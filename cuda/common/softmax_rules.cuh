@@ -57,6 +57,25 @@ __device__ __forceinline__ float row_output(float acc, float inv_sum, bool empty
   return empty ? 0.f : acc * inv_sum;
 }
 
+// 1 / sum of a finished softmax row (0 for an empty row, whose outputs are selected to 0).
+__device__ __forceinline__ float row_inverse_sum(float sum, bool empty) {
+  return empty ? 0.f : 1.f / sum;
+}
+
+// The lse (natural log) of a finished row from its running maximum m2 and sum in base 2
+// (scores scaled by log2(e)); -inf for an empty row.
+__device__ __forceinline__ float row_lse_base2(float m2, float sum, bool empty) {
+  return empty ? -INFINITY : (m2 + log2f(sum)) * 0.6931471805599453f;
+}
+
+// The sum of x over the 4 lanes of a quad (lane / 4 equal): the threads that hold one row of
+// an mma.sync accumulator.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
 // The backward's exponent of a recomputed probability, P = 2^d (or e^d), d = logit - lse in
 // the same units. A probability is at most 1, so d <= 0; but d carries the rounding of the
 // forward's lse round trip and of the recompute, a few ulps of |lse|, which at fp32 logits

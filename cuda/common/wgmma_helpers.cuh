@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma, sm_90a only) wrappers for the flash kernels: shared-memory
 // matrix descriptors, fence / commit / wait, and the m64nNk16 shapes the wgmma flash kernels use
-// (cuda/flash_fwd_wgmma.cu, cuda/flash_bwd_wgmma.cu).
+// (cuda/flash/flash_fwd_wgmma.cu, cuda/flash/flash_bwd_wgmma.cu).
 // The m64nNk16 f32 accumulator of a warpgroup: warp w (of 4) holds rows 16 w + lane / 4 and
 // + 8; register 4 i + e is column 8 i + 2 (lane % 4) + (e & 1) of row + 8 (e >> 1).
 #pragma once
@@ -12,6 +12,12 @@
 
 namespace jax_sdpa {
 namespace cuda_common {
+
+// Byte offset of 16-byte unit u (0..7) of row r in a 128-byte-swizzled chunk tile
+// ([rows][64] 16-bit elements, the layout wgmma_desc describes).
+__device__ __forceinline__ uint32_t swizzle128_offset(int r, int u) {
+  return static_cast<uint32_t>(r * 128 + ((u ^ (r & 7)) << 4));
+}
 
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX "matrix descriptor"):
 // start address, leading and stride byte offsets (all in 16-byte units, 14 bits each) and

@@ -77,6 +77,9 @@ using cuda_common::mma_tf32x3;
 using cuda_common::round_tf32;
 using cuda_common::to_tf32;
 using cuda_common::row_output;
+using cuda_common::quad_sum;
+using cuda_common::row_inverse_sum;
+using cuda_common::row_lse_base2;
 using cuda_common::same_segment_ids;
 using cuda_common::segments_may_meet;
 using cuda_common::soft_capped;
@@ -214,9 +217,10 @@ __device__ __forceinline__ float mask_value(const FwdArgs& a, int b, int h, int 
 // mask tensor, inside both lengths and the band. Such tiles skip the per-element checks.
 __device__ __forceinline__ bool tile_all_visible(const FwdArgs& a, int q0, int bm, int kb, int bn,
                                                  int qlen, int kvlen, int64_t offset) {
-  return a.mask_kind == 0 && kb + bn <= kvlen && q0 + bm <= qlen &&
-         (a.wr < 0 || static_cast<int64_t>(kb + bn - 1) - (q0 + offset) <= a.wr) &&
-         (a.wl < 0 || static_cast<int64_t>(kb) - (q0 + bm - 1 + offset) >= -a.wl);
+  bool all = a.mask_kind == 0 && q0 + bm <= qlen && kb + bn <= kvlen;
+  if (all && a.wl >= 0) all = static_cast<int64_t>(kb) - (q0 + bm - 1 + offset) >= -a.wl;
+  if (all && a.wr >= 0) all = static_cast<int64_t>(kb + bn - 1) - (q0 + offset) <= a.wr;
+  return all;
 }
 
 // The kBr-row query tiles a backward key block [k0, k0 + kvalid) must visit: those holding
@@ -239,17 +243,113 @@ __device__ __forceinline__ QueryTiles band_query_tiles(const FwdArgs& f, int k0,
   return qt;
 }
 
-// Score x (scaled, base 2) of query row i and key j, or -inf where the row may not see
-// the key (lengths, band); the mask added (log2e-scaled) or applied.
-__device__ __forceinline__ float visible_score(const FwdArgs& a, int b, int h, int i, int j,
-                                               int qlen, int kvlen, int64_t offset, float x) {
-  constexpr float kLog2e = 1.4426950408889634f;
+// Batch row b's valid lengths and the diagonal's offset (bottom-right alignment).
+struct RowLengths {
+  int qlen, kvlen;
+  int64_t offset;
+};
+__device__ __forceinline__ RowLengths row_lengths(const FwdArgs& a, int b) {
+  RowLengths r;
+  r.qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
+  r.kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
+  r.offset = diagonal_offset(a.bottom_right != 0, r.qlen, r.kvlen);
+  return r;
+}
+
+// Whether query row i may see key j by the lengths and the band (masks and segment ids
+// aside).
+__device__ __forceinline__ bool band_visible(const FwdArgs& a, int i, int j, int qlen, int kvlen,
+                                             int64_t offset) {
   bool vis = i < qlen && j < kvlen;
   if (vis) {
     const int64_t dd = static_cast<int64_t>(j) - (i + offset);
     if (a.wl >= 0 && dd < -a.wl) vis = false;
     if (a.wr >= 0 && dd > a.wr) vis = false;
   }
+  return vis;
+}
+
+// (batch, query head, query) of row r of a [B, Hq, Lq] row set: the per-row kernels.
+struct QueryRow {
+  int b, h, i;
+};
+__device__ __forceinline__ QueryRow query_row(const FwdArgs& a, int64_t r) {
+  QueryRow q;
+  q.i = static_cast<int>(r % a.Lq);
+  q.h = static_cast<int>((r / a.Lq) % a.Hq);
+  q.b = static_cast<int>(r / (static_cast<int64_t>(a.Lq) * a.Hq));
+  return q;
+}
+
+// A backward block's keys [k0, k0 + kvalid) of kv head hk in batch row b, and the
+// (query head, query tile) pairs its band reaches: G heads x n_qt tiles from query qb_lo.
+struct KeyBlock {
+  RowLengths len;
+  int k0, kvalid, qb_lo, n_qt, n_iter;
+};
+template <int kBc, int kBr>
+__device__ __forceinline__ KeyBlock key_block(const FwdArgs& f, int key_tile, int b) {
+  KeyBlock kb;
+  kb.k0 = key_tile * kBc;
+  kb.len = row_lengths(f, b);
+  kb.kvalid = max(0, min(kBc, kb.len.kvlen - kb.k0));
+  const QueryTiles band = band_query_tiles<kBr>(f, kb.k0, kb.kvalid, kb.len.qlen, kb.len.offset);
+  kb.qb_lo = band.qb_lo;
+  kb.n_qt = band.n_qt;
+  kb.n_iter = f.G * band.n_qt;
+  return kb;
+}
+
+// Row `row` of head h in batch row b of a [B, H, L, D]-strided operand (strides st).
+template <typename T>
+__device__ __forceinline__ const T* head_row(const void* base, const int64_t* st, int b, int h,
+                                             int64_t row) {
+  return static_cast<const T*>(base) + b * st[0] + h * st[1] + row * st[2];
+}
+
+// The backwards' key blocks visit G * n_qt (query head, query tile) pairs, starting at
+// `rot` (the key tile) so that concurrent blocks of one head add into different dq rows:
+// visit `it`'s head h and first query qb.
+template <int kBr>
+__device__ __forceinline__ void rotated_visit(int it, int rot, int n_iter, int n_qt, int qb_lo,
+                                              int first_head, int& h, int& qb) {
+  int idx = it + rot;
+  if (idx >= n_iter) idx -= n_iter;
+  const int hh = idx / n_qt;
+  h = first_head + hh;
+  qb = qb_lo + (idx - hh * n_qt) * kBr;
+}
+
+// cp.async of a query tile's lse and delta rows [row0, row0 + kBr) into sL / sDl (threads
+// 0..kBr-1 and kBr..2kBr-1); rows >= valid_rows are zero-filled.
+template <int kBr>
+__device__ __forceinline__ void load_row_stats(float* sL, float* sDl, const float* lse,
+                                               const float* delta, int64_t row0, int valid_rows,
+                                               int tid) {
+  if (tid < kBr) {
+    cp_async4(sL + tid, lse + (tid < valid_rows ? row0 + tid : 0), tid < valid_rows);
+  } else if (tid < 2 * kBr) {
+    const int r = tid - kBr;
+    cp_async4(sDl + r, delta + (r < valid_rows ? row0 + r : 0), r < valid_rows);
+  }
+}
+
+// dst[0..1] += (x0, x1): one float2 reduction on sm_90+, two atomics before.
+__device__ __forceinline__ void atomic_add2(float* dst, float x0, float x1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x0, x1));
+#else
+  atomicAdd(dst, x0);
+  atomicAdd(dst + 1, x1);
+#endif
+}
+
+// Score x (scaled, base 2) of query row i and key j, or -inf where the row may not see
+// the key (lengths, band); the mask added (log2e-scaled) or applied.
+__device__ __forceinline__ float visible_score(const FwdArgs& a, int b, int h, int i, int j,
+                                               int qlen, int kvlen, int64_t offset, float x) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  bool vis = band_visible(a, i, j, qlen, kvlen, offset);
   if (vis && a.mask_kind != 0) x += mask_value(a, b, h, i, j, &vis) * kLog2e;
   return vis ? x : -INFINITY;
 }
@@ -281,6 +381,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
   const int q0 = q_tile * kBM;
   const int c0v = dv_chunk * kDVC;
 
+  // (row_lengths() here, not its fields, costs the fp32 D128 feature instantiation 34
+  // spilled instructions.)
   const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
   const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
   const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
@@ -396,12 +498,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
         const int r = e / 2;
         const int i = row[r];
         const int j = kb + n * 8 + 2 * t + (e & 1);
-        bool vis = i < qlen && j < kvlen;
-        if (vis) {
-          const int64_t dd = static_cast<int64_t>(j) - (i + offset);
-          if (a.wl >= 0 && dd < -a.wl) vis = false;
-          if (a.wr >= 0 && dd > a.wr) vis = false;
-        }
+        bool vis = band_visible(a, i, j, qlen, kvlen, offset);
         float x = s[n][e] * a.scale;
         if constexpr (kFeat) {
           if (a.soft_cap > 0.f) x = soft_capped(x, a.soft_cap);
@@ -501,7 +598,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
     const int i = row[r];
     if (i >= a.Lq) continue;
     const bool empty = softmax_row_empty(l[r]) || i >= qlen;
-    const float inv = empty ? 0.f : 1.f / l[r];
+    const float inv = row_inverse_sum(l[r], empty);
     T* O = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + static_cast<int64_t>(i) * a.os[2];
 #pragma unroll
     for (int n = 0; n < kOT; ++n) {

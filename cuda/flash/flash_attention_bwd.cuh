@@ -138,12 +138,7 @@ template <bool kFeat>
 __device__ __forceinline__ bool visible_score(const FwdArgs& a, int b, int h, int i, int j,
                                               int qlen, int kvlen, int64_t offset, float raw,
                                               float* score, float* dcap) {
-  bool vis = i < qlen && j < kvlen;
-  if (vis) {
-    const int64_t dd = static_cast<int64_t>(j) - (i + offset);
-    if (a.wl >= 0 && dd < -a.wl) vis = false;
-    if (a.wr >= 0 && dd > a.wr) vis = false;
-  }
+  bool vis = band_visible(a, i, j, qlen, kvlen, offset);
   float x = raw * a.scale;
   *dcap = 1.f;
   if constexpr (kFeat) {
@@ -176,9 +171,8 @@ __global__ void __launch_bounds__(kThreads) flash_delta_kernel(BwdArgs a) {
   const int64_t rows = static_cast<int64_t>(a.f.B) * a.f.Hq * a.f.Lq;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (r >= rows) return;
-  const int i = static_cast<int>(r % a.f.Lq);
-  const int h = static_cast<int>((r / a.f.Lq) % a.f.Hq);
-  const int b = static_cast<int>(r / (static_cast<int64_t>(a.f.Lq) * a.f.Hq));
+  const QueryRow row = query_row(a.f, r);
+  const int b = row.b, h = row.h, i = row.i;
   const int64_t off = b * a.f.os[0] + h * a.f.os[1] + static_cast<int64_t>(i) * a.f.os[2];
   const T* o = static_cast<const T*>(a.out) + off;
   const T* d = static_cast<const T*>(a.dout) + off;
@@ -208,9 +202,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const BwdArgs ba) 
   const int c0 = (is_dv ? chunk - ba.nD : chunk) * kDK;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int k0 = key_tile * kBN;
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  const RowLengths len = row_lengths(a, b);
+  const int qlen = len.qlen, kvlen = len.kvlen;
+  const int64_t offset = len.offset;
 
   const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1] + int64_t{k0} * a.ks[2];
   const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1] + int64_t{k0} * a.vs[2];
@@ -309,9 +303,9 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const BwdArgs ba) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int hk = h / a.G;
   const int q0 = q_tile * kBM;
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  const RowLengths len = row_lengths(a, b);
+  const int qlen = len.qlen, kvlen = len.kvlen;
+  const int64_t offset = len.offset;
   int key_lo = 0, key_hi = 0;
   if (q0 < qlen) {
     const int last_row = min(q0 + kBM, qlen) - 1;

@@ -289,15 +289,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int key_tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int k0 = key_tile * kBc;
-  const int qlen = static_cast<int>(clamp_length(f.qlen, b, f.Lq));
-  const int kvlen = static_cast<int>(clamp_length(f.kvlen, b, f.Lk));
-  const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
-  const int kvalid = max(0, min(kBc, kvlen - k0));
-
-  const QueryTiles band = band_query_tiles<kBr>(f, k0, kvalid, qlen, offset);
-  const int qb_lo = band.qb_lo, n_qt = band.n_qt;
-  const int n_iter = f.G * n_qt;
+  const KeyBlock blk = key_block<kBc, kBr>(f, key_tile, b);
+  const int k0 = blk.k0, kvalid = blk.kvalid, qlen = blk.len.qlen, kvlen = blk.len.kvlen;
+  const int64_t offset = blk.len.offset;
+  const int qb_lo = blk.qb_lo, n_qt = blk.n_qt, n_iter = blk.n_iter;
 
   float dk[kND][4], dv[kND][4];
 #pragma unroll
@@ -307,10 +302,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
   uint32_t kreg[kD / 8][4], vreg[kD / 8][4];  // used only by kVarKreg / kVarVreg
 
   if (n_iter > 0) {
-    const float* Kg = static_cast<const float*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
-                      static_cast<int64_t>(k0) * f.ks[2];
-    const float* Vg = static_cast<const float*>(f.v) + b * f.vs[0] + hk * f.vs[1] +
-                      static_cast<int64_t>(k0) * f.vs[2];
+    const float* Kg = head_row<float>(f.k, f.ks, b, hk, k0);
+    const float* Vg = head_row<float>(f.v, f.vs, b, hk, k0);
     tile_copy<kBc, kD>(sK, Kg, f.ks[2], kvalid, f.D);
     tile_copy<kBc, kD>(sV, Vg, f.vs[2], kvalid, f.Dv);
     cp_async_commit();
@@ -318,28 +311,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
     const int rot = key_tile % n_iter;
     // Iteration -> (query head, first query of the tile).
     auto tile_of = [&](int it, int& h, int& qb) {
-      int idx = it + rot;
-      if (idx >= n_iter) idx -= n_iter;
-      const int hh = idx / n_qt;
-      h = hk * f.G + hh;
-      qb = qb_lo + (idx - hh * n_qt) * kBr;
+      rotated_visit<kBr>(it, rot, n_iter, n_qt, qb_lo, hk * f.G, h, qb);
     };
     auto issue = [&](int it, int stage) {
       int h, qb;
       tile_of(it, h, qb);
       const int rows = qlen - qb;  // rows >= qlen are zero-filled
-      const float* Qg = static_cast<const float*>(f.q) + b * f.qs[0] + h * f.qs[1] +
-                        static_cast<int64_t>(qb) * f.qs[2];
-      const float* Og = a.dout + b * f.os[0] + h * f.os[1] + static_cast<int64_t>(qb) * f.os[2];
+      const float* Qg = head_row<float>(f.q, f.qs, b, h, qb);
+      const float* Og = head_row<float>(a.dout, f.os, b, h, qb);
       tile_copy<kBr, kD>(sQ + stage * kBr * SK, Qg, f.qs[2], rows, f.D);
       tile_copy<kBr, kD>(sO + stage * kBr * SK, Og, f.os[2], rows, f.Dv);
       const int64_t row0 = (static_cast<int64_t>(b) * f.Hq + h) * f.Lq + qb;
-      if (tid < kBr) {
-        cp_async4(sL + stage * kBr + tid, a.lse + (tid < rows ? row0 + tid : 0), tid < rows);
-      } else if (tid < 2 * kBr) {
-        const int r = tid - kBr;
-        cp_async4(sDl + stage * kBr + r, a.delta + (r < rows ? row0 + r : 0), r < rows);
-      }
+      load_row_stats<kBr>(sL + stage * kBr, sDl + stage * kBr, a.lse, a.delta, row0, rows, tid);
     };
 
     issue(0, 0);
@@ -391,9 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
       }
 
       // ---- P^T, dS^T (elementwise; rows = keys, columns = queries) ----
-      bool full = f.mask_kind == 0 && qb + kBr <= qlen && k0 + kBc <= kvlen;
-      if (full && f.wl >= 0) full = static_cast<int64_t>(k0) - (qb + kBr - 1 + offset) >= -f.wl;
-      if (full && f.wr >= 0) full = static_cast<int64_t>(k0 + kBc - 1) - (qb + offset) <= f.wr;
+      const bool full = tile_all_visible(f, qb, kBr, k0, kBc, qlen, kvlen, offset);
 #pragma unroll
       for (int n = 0; n < kNQ; ++n) {
         const float2 l2 = *reinterpret_cast<const float2*>(Ls + n * 8 + 2 * t);
@@ -409,12 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
             const int j = k0 + warp * 16 + g + (e >> 1) * 8;
-            vis = i < qlen && j < kvlen;
-            if (vis) {
-              const int64_t dd = static_cast<int64_t>(j) - (i + offset);
-              if (f.wl >= 0 && dd < -f.wl) vis = false;
-              if (f.wr >= 0 && dd > f.wr) vis = false;
-            }
+            vis = band_visible(f, i, j, qlen, kvlen, offset);
             float x = s[n][e] * f.scale;
             if (vis) x += mask_value(f, b, h, i, j, &vis);
             p = vis ? fast_exp2(recomputed_exponent(fmaf(x, kLog2e, -lse2), lse2)) : 0.f;
@@ -511,13 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tc_kernel(const Args a)
               for (int n = 0; n < kNQC; ++n) {
                 const int c = c0 + n * 8 + 2 * t;
                 if (c < f.D) {
-                  const float x0 = acc[n][2 * r] * f.scale, x1 = acc[n][2 * r + 1] * f.scale;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                  atomicAdd(reinterpret_cast<float2*>(row + c), make_float2(x0, x1));
-#else
-                  atomicAdd(row + c, x0);
-                  atomicAdd(row + c + 1, x1);
-#endif
+                  atomic_add2(row + c, acc[n][2 * r] * f.scale, acc[n][2 * r + 1] * f.scale);
                 }
               }
             }
@@ -558,9 +528,8 @@ __global__ void __launch_bounds__(256) delta_kernel(const Args a, float* delta, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * 8 + warp;
   if (r >= rows) return;
-  const int i = static_cast<int>(r % f.Lq);
-  const int h = static_cast<int>((r / f.Lq) % f.Hq);
-  const int b = static_cast<int>(r / (static_cast<int64_t>(f.Lq) * f.Hq));
+  const QueryRow row = query_row(f, r);
+  const int b = row.b, h = row.h, i = row.i;
   const int64_t off = b * f.os[0] + h * f.os[1] + static_cast<int64_t>(i) * f.os[2];
   float acc = 0.f;
   if (lane * 4 < f.Dv) {

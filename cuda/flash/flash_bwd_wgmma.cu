@@ -64,6 +64,7 @@ namespace bwd_wgmma {
 using cuda_common::align_shared_1024;
 using cuda_common::fence_proxy_async_smem;
 using cuda_common::smem_addr;
+using cuda_common::swizzle128_offset;
 using cuda_common::wgmma_commit;
 using cuda_common::wgmma_desc;
 using cuda_common::wgmma_fence;
@@ -98,11 +99,6 @@ static_assert(kOffX % 16 == 0 && kOffL % 16 == 0 && kOffDl % 16 == 0, "16-byte a
 static_assert(kBc * kStage * 2 <= kChunks * kQTile, "dK / dV staging fits a Q / dO buffer");
 static_assert(kSmem <= 227 * 1024, "fits sm_90's opt-in shared memory");
 
-// Byte offset of 16-byte unit u (0..7) of row r in a 128-byte-swizzled chunk tile.
-__device__ __forceinline__ uint32_t swz(int r, int u) {
-  return static_cast<uint32_t>(r * 128 + ((u ^ (r & 7)) << 4));
-}
-
 // kRows rows x 512 of a [rows][stride] matrix into the eight [kRows][64] chunk tiles at
 // `tiles`; rows >= valid_rows and columns >= valid_cols are zero (cp.async, source size 0).
 // Thread x copies unit x % 64 of rows x / 64 + 4 k: its shared addresses are two offsets
@@ -115,8 +111,8 @@ __device__ __forceinline__ void load_tiles(unsigned char* tiles, const T* g, int
   const int c = threadIdx.x & 63;   // this thread's 16-byte unit of every row it copies
   const int r0 = threadIdx.x >> 6;  // rows r0, r0 + 4, r0 + 8, ...
   const uint32_t col = (c >> 3) * (kRows * 128);
-  const uint32_t o0 = col + swz(r0, c & 7);      // row r0 (+ 8 k)
-  const uint32_t o1 = col + swz(r0 + 4, c & 7);  // row r0 + 4 (+ 8 k)
+  const uint32_t o0 = col + swizzle128_offset(r0, c & 7);      // row r0 (+ 8 k)
+  const uint32_t o1 = col + swizzle128_offset(r0 + 4, c & 7);  // row r0 + 4 (+ 8 k)
   const bool col_ok = c * 8 < valid_cols;
   const T* src = g + r0 * stride + c * 8;
 #pragma unroll
@@ -146,15 +142,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
   const int xi = tid & 127;              // thread index within the warpgroup
   const int rl0 = (warp & 3) * 16 + g;   // accumulator rows (M) of this thread: rl0, rl0 + 8
   const int key_tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int k0 = key_tile * kBc;
-  const int qlen = static_cast<int>(clamp_length(f.qlen, b, f.Lq));
-  const int kvlen = static_cast<int>(clamp_length(f.kvlen, b, f.Lk));
-  const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
-  const int kvalid = max(0, min(kBc, kvlen - k0));
-
-  const QueryTiles band = band_query_tiles<kBr>(f, k0, kvalid, qlen, offset);
-  const int qb_lo = band.qb_lo, n_qt = band.n_qt;
-  const int n_iter = f.G * n_qt;
+  const KeyBlock blk = key_block<kBc, kBr>(f, key_tile, b);
+  const int k0 = blk.k0, kvalid = blk.kvalid, qlen = blk.len.qlen, kvlen = blk.len.kvlen;
+  const int64_t offset = blk.len.offset;
+  const int qb_lo = blk.qb_lo, n_qt = blk.n_qt, n_iter = blk.n_iter;
 
   // wg0: dV^T (chunk m: dv 64 m + row, key = column); wg1: dK^T (d 64 m + row, key).
   float acc[kChunks][16];
@@ -164,38 +155,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
     for (int i = 0; i < 16; ++i) acc[m][i] = 0.f;
 
   if (n_iter > 0) {
-    const T* Kg = static_cast<const T*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
-                  static_cast<int64_t>(k0) * f.ks[2];
-    const T* Vg = static_cast<const T*>(f.v) + b * f.vs[0] + hk * f.vs[1] +
-                  static_cast<int64_t>(k0) * f.vs[2];
+    const T* Kg = head_row<T>(f.k, f.ks, b, hk, k0);
+    const T* Vg = head_row<T>(f.v, f.vs, b, hk, k0);
     load_tiles<T, kBc>(smem + kOffK, Kg, f.ks[2], kvalid, f.D);
     load_tiles<T, kBc>(smem + kOffV, Vg, f.vs[2], kvalid, f.Dv);
 
     const int rot = key_tile % n_iter;
     auto tile_of = [&](int it, int& h, int& qb) {
-      int idx = it + rot;
-      if (idx >= n_iter) idx -= n_iter;
-      const int hh = idx / n_qt;
-      h = hk * f.G + hh;
-      qb = qb_lo + (idx - hh * n_qt) * kBr;
+      rotated_visit<kBr>(it, rot, n_iter, n_qt, qb_lo, hk * f.G, h, qb);
     };
     auto issue = [&](int it) {
       int h, qb;
       tile_of(it, h, qb);
       const int rows = qlen - qb;  // rows >= qlen are zero-filled (qb < qlen here)
-      const T* Qg = static_cast<const T*>(f.q) + b * f.qs[0] + h * f.qs[1] +
-                    static_cast<int64_t>(qb) * f.qs[2];
-      const T* Og = static_cast<const T*>(a.dout) + b * f.os[0] + h * f.os[1] +
-                    static_cast<int64_t>(qb) * f.os[2];
+      const T* Qg = head_row<T>(f.q, f.qs, b, h, qb);
+      const T* Og = head_row<T>(a.dout, f.os, b, h, qb);
       load_tiles<T, kBr>(smem + kOffQ, Qg, f.qs[2], rows, f.D);
       load_tiles<T, kBr>(smem + kOffO, Og, f.os[2], rows, f.Dv);
       const int64_t row0 = (static_cast<int64_t>(b) * f.Hq + h) * f.Lq + qb;
-      if (tid < kBr) {
-        cp_async4(sL + tid, a.lse + (tid < rows ? row0 + tid : 0), tid < rows);
-      } else if (tid < 2 * kBr) {
-        const int r = tid - kBr;
-        cp_async4(sDl + r, a.delta + (r < rows ? row0 + r : 0), r < rows);
-      }
+      load_row_stats<kBr>(sL, sDl, a.lse, a.delta, row0, rows, tid);
     };
 
     issue(0);
@@ -273,14 +251,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wgmma_kernel(const bwd_
             const float ds = hidden ? 0.f : p * (dp[e] - dl[r]);
             dsv[e] = ds;
             // P^T, dS^T [key][row]: row rl is element rl % 8 of unit rl / 8 of line kl.
-            const uint32_t tofs = swz(kl, rl >> 3) + (rl & 7) * 2;
+            const uint32_t tofs = swizzle128_offset(kl, rl >> 3) + (rl & 7) * 2;
             *reinterpret_cast<T*>(sPt + tofs) = from_float<T>(p);
             *reinterpret_cast<T*>(sdSt + tofs) = from_float<T>(ds);
           }
           // dS [row][key]: keys 8 i + 2 t, + 1 are elements 2 t, 2 t + 1 of unit i.
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<uint32_t*>(sdS + swz(rl0 + 8 * r, i) + t * 4) =
+            *reinterpret_cast<uint32_t*>(sdS + swizzle128_offset(rl0 + 8 * r, i) + t * 4) =
                 pack2<T>(dsv[2 * r], dsv[2 * r + 1]);
         }
         fence_proxy_async_smem();  // the st.shared above, before the wgmmas read them

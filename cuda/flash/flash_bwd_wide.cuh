@@ -195,15 +195,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
   const int kg = warp >> 2, cq = warp & 3;
   const int lrow = lane & 7, lmat = lane >> 3;
   const int key_tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int k0 = key_tile * kBc;
-  const int qlen = static_cast<int>(clamp_length(f.qlen, b, f.Lq));
-  const int kvlen = static_cast<int>(clamp_length(f.kvlen, b, f.Lk));
-  const int64_t offset = diagonal_offset(f.bottom_right != 0, qlen, kvlen);
-  const int kvalid = max(0, min(kBc, kvlen - k0));
-
-  const QueryTiles band = band_query_tiles<kBr>(f, k0, kvalid, qlen, offset);
-  const int qb_lo = band.qb_lo, n_qt = band.n_qt;
-  const int n_iter = f.G * n_qt;
+  const KeyBlock blk = key_block<kBc, kBr>(f, key_tile, b);
+  const int k0 = blk.k0, kvalid = blk.kvalid, qlen = blk.len.qlen, kvlen = blk.len.kvlen;
+  const int64_t offset = blk.len.offset;
+  const int qb_lo = blk.qb_lo, n_qt = blk.n_qt, n_iter = blk.n_iter;
 
   constexpr int kNT = kQuarter / 8;  // 16 n8 tiles of this warp's dK / dV columns
   float dk[kNT][4], dv[kNT][4];
@@ -213,38 +208,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
 
   if (n_iter > 0) {
-    const T* Kg = static_cast<const T*>(f.k) + b * f.ks[0] + hk * f.ks[1] +
-                  static_cast<int64_t>(k0) * f.ks[2];
-    const T* Vg = static_cast<const T*>(f.v) + b * f.vs[0] + hk * f.vs[1] +
-                  static_cast<int64_t>(k0) * f.vs[2];
+    const T* Kg = head_row<T>(f.k, f.ks, b, hk, k0);
+    const T* Vg = head_row<T>(f.v, f.vs, b, hk, k0);
     load_rows<T>(sK, Kg, f.ks[2], kvalid, f.D);
     load_rows<T>(sV, Vg, f.vs[2], kvalid, f.Dv);
 
     const int rot = key_tile % n_iter;
     auto tile_of = [&](int it, int& h, int& qb) {
-      int idx = it + rot;
-      if (idx >= n_iter) idx -= n_iter;
-      const int hh = idx / n_qt;
-      h = hk * f.G + hh;
-      qb = qb_lo + (idx - hh * n_qt) * kBr;
+      rotated_visit<kBr>(it, rot, n_iter, n_qt, qb_lo, hk * f.G, h, qb);
     };
     auto issue = [&](int it, int stage) {
       int h, qb;
       tile_of(it, h, qb);
       const int rows = qlen - qb;  // rows >= qlen are zero-filled (qb < qlen here)
-      const T* Qg = static_cast<const T*>(f.q) + b * f.qs[0] + h * f.qs[1] +
-                    static_cast<int64_t>(qb) * f.qs[2];
-      const T* Og = static_cast<const T*>(a.dout) + b * f.os[0] + h * f.os[1] +
-                    static_cast<int64_t>(qb) * f.os[2];
+      const T* Qg = head_row<T>(f.q, f.qs, b, h, qb);
+      const T* Og = head_row<T>(a.dout, f.os, b, h, qb);
       load_rows<T>(sQ + stage * kBr * kStride, Qg, f.qs[2], rows, f.D);
       load_rows<T>(sO + stage * kBr * kStride, Og, f.os[2], rows, f.Dv);
       const int64_t row0 = (static_cast<int64_t>(b) * f.Hq + h) * f.Lq + qb;
-      if (tid < kBr) {
-        cp_async4(sL + stage * kBr + tid, a.lse + (tid < rows ? row0 + tid : 0), tid < rows);
-      } else if (tid < 2 * kBr) {
-        const int r = tid - kBr;
-        cp_async4(sDl + stage * kBr + r, a.delta + (r < rows ? row0 + r : 0), r < rows);
-      }
+      load_row_stats<kBr>(sL + stage * kBr, sDl + stage * kBr, a.lse, a.delta, row0, rows, tid);
     };
 
     issue(0, 0);
@@ -290,9 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
       sum_partials(dp, x_group, lane);
 
       // ---- P^T, dS^T (rows = keys k0 + kg*16 + g (+8), columns = queries qb + n*8 + 2t (+1)) ----
-      bool full = f.mask_kind == 0 && qb + kBr <= qlen && k0 + kBc <= kvlen;
-      if (full && f.wl >= 0) full = static_cast<int64_t>(k0) - (qb + kBr - 1 + offset) >= -f.wl;
-      if (full && f.wr >= 0) full = static_cast<int64_t>(k0 + kBc - 1) - (qb + offset) <= f.wr;
+      const bool full = tile_all_visible(f, qb, kBr, k0, kBc, qlen, kvlen, offset);
       uint32_t pa[kBr / 16][4], da[kBr / 16][4];  // P^T, dS^T as A fragments (k = queries)
 #pragma unroll
       for (int n = 0; n < kBr / 8; ++n) {
@@ -311,12 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
           } else {
             const int i = qb + n * 8 + 2 * t + (e & 1);
             const int j = k0 + kg * 16 + g + (e >> 1) * 8;
-            bool vis = i < qlen && j < kvlen;
-            if (vis) {
-              const int64_t dd = static_cast<int64_t>(j) - (i + offset);
-              if (f.wl >= 0 && dd < -f.wl) vis = false;
-              if (f.wr >= 0 && dd > f.wr) vis = false;
-            }
+            bool vis = band_visible(f, i, j, qlen, kvlen, offset);
             float x = s[n][e] * f.scale;
             if (vis) x += mask_value(f, b, h, i, j, &vis);
             p = vis ? fast_exp2(recomputed_exponent(fmaf(x, kLog2e, -lse2), lse2)) : 0.f;
@@ -383,14 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_wide_kernel(const Args 
               for (int n = 0; n < 4; ++n) {
                 const int cc = nh * 32 + n * 8;  // column c0 + 2t + cc
                 if (c0 + 2 * t + cc < f.D) {
-                  float* dst = dq_base + (ri * f.D + cc);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                  atomicAdd(reinterpret_cast<float2*>(dst),
-                            make_float2(acc[n][2 * r], acc[n][2 * r + 1]));
-#else
-                  atomicAdd(dst, acc[n][2 * r]);
-                  atomicAdd(dst + 1, acc[n][2 * r + 1]);
-#endif
+                  atomic_add2(dq_base + (ri * f.D + cc), acc[n][2 * r], acc[n][2 * r + 1]);
                 }
               }
             }
@@ -431,9 +399,8 @@ __global__ void __launch_bounds__(256) wide_delta_kernel(const Args a, float* de
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * 8 + warp;
   if (r >= rows) return;
-  const int i = static_cast<int>(r % f.Lq);
-  const int h = static_cast<int>((r / f.Lq) % f.Hq);
-  const int b = static_cast<int>(r / (static_cast<int64_t>(f.Lq) * f.Hq));
+  const QueryRow row = query_row(f, r);
+  const int b = row.b, h = row.h, i = row.i;
   const int64_t off = b * f.os[0] + h * f.os[1] + static_cast<int64_t>(i) * f.os[2];
   const uint4* o = reinterpret_cast<const uint4*>(static_cast<const T*>(a.out) + off);
   const uint4* d = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dout) + off);
@@ -458,9 +425,8 @@ __global__ void __launch_bounds__(256) wide_dq_convert_kernel(const Args a, void
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * 8 + warp;
   if (r >= rows) return;
-  const int i = static_cast<int>(r % f.Lq);
-  const int h = static_cast<int>((r / f.Lq) % f.Hq);
-  const int b = static_cast<int>(r / (static_cast<int64_t>(f.Lq) * f.Hq));
+  const QueryRow row = query_row(f, r);
+  const int b = row.b, h = row.h, i = row.i;
   const float* src = a.dq_accum + r * f.D;
   T* dst = static_cast<T*>(dq) + b * f.qs[0] + h * f.qs[1] + static_cast<int64_t>(i) * f.qs[2];
   const float sc = f.scale;

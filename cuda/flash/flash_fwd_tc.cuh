@@ -121,9 +121,9 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
   const int hk = h / a.G;
   const int q0 = q_tile * kBM;
 
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  const RowLengths len = row_lengths(a, b);
+  const int qlen = len.qlen, kvlen = len.kvlen;
+  const int64_t offset = len.offset;
 
   const float* Q = static_cast<const float*>(a.q) + b * a.qs[0] + h * a.qs[1];
   const float* K = static_cast<const float*>(a.k) + b * a.ks[0] + hk * a.ks[1];
@@ -262,12 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
             const int r = mt * 2 + e / 2;
             const int i = row[r];
             const int j = kb + n * 8 + 2 * t + (e & 1);
-            bool vis = i < qlen && j < kvlen;
-            if (vis) {
-              const int64_t dd = static_cast<int64_t>(j) - (i + offset);
-              if (a.wl >= 0 && dd < -a.wl) vis = false;
-              if (a.wr >= 0 && dd > a.wr) vis = false;
-            }
+            bool vis = band_visible(a, i, j, qlen, kvlen, offset);
             float x = s[mt][n][e] * c;
             if (vis && a.mask_kind != 0) x += mask_value(a, b, h, i, j, &vis) * kLog2e;
             x = vis ? x : -INFINITY;
@@ -340,15 +335,14 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
   // ---- epilogue: normalize, write out + lse ----
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    l[r] = quad_sum(l[r]);
   }
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int i = row[r];
     if (i >= a.Lq) continue;
     const bool empty = softmax_row_empty(l[r]) || i >= qlen;  // a NaN sum is not empty
-    const float inv = empty ? 0.f : 1.f / l[r];
+    const float inv = row_inverse_sum(l[r], empty);
     float* O = static_cast<float*>(a.out) + b * a.os[0] + h * a.os[1] +
                static_cast<int64_t>(i) * a.os[2];
     const int mt = r / 2, half = r % 2;
@@ -361,7 +355,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
     }
     if (t == 0)
       a.lse[(static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i] =
-          empty ? -INFINITY : (m[r] + log2f(l[r])) * 0.6931471805599453f;
+          row_lse_base2(m[r], l[r], empty);
   }
 }
 

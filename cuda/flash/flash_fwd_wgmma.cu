@@ -31,6 +31,7 @@ namespace wgmma {
 using cuda_common::align_shared_1024;
 using cuda_common::fence_proxy_async_smem;
 using cuda_common::smem_addr;
+using cuda_common::swizzle128_offset;
 using cuda_common::wgmma_commit;
 using cuda_common::wgmma_desc;
 using cuda_common::wgmma_fence;
@@ -50,11 +51,6 @@ constexpr int kPOff = kVOff + kChunks * kTile;  // P: one [64][64] tile
 constexpr int kMOff = kPOff + kTile;            // row statistics: [2 warpgroups][64] float
 constexpr int kSmem = kMOff + 2 * kBM * 4 + 1024;  // + alignment slack
 
-// Byte offset of 16-byte unit u (0..7) of row r in a 128-byte-swizzled chunk tile.
-__device__ __forceinline__ uint32_t swz(int r, int u) {
-  return static_cast<uint32_t>(r * 128 + ((u ^ (r & 7)) << 4));
-}
-
 // 64 rows x 512 of a [rows][stride] matrix into the eight chunk tiles at `tiles`; rows >=
 // valid_rows and columns >= valid_cols are zero (cp.async with a zero source size).
 template <typename T>
@@ -64,7 +60,8 @@ __device__ __forceinline__ void load_tiles(unsigned char* tiles, const T* g, int
   for (int x = threadIdx.x; x < kBM * kUnits; x += kThreads) {
     const int r = x / kUnits, c = x % kUnits;
     const bool ok = r < valid_rows && c * 8 < valid_cols;
-    cp_async16(tiles + (c >> 3) * kTile + swz(r, c & 7), ok ? g + r * stride + c * 8 : g, ok);
+    cp_async16(tiles + (c >> 3) * kTile + swizzle128_offset(r, c & 7),
+               ok ? g + r * stride + c * 8 : g, ok);
   }
 }
 
@@ -90,9 +87,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
   const int hk = h / a.G;
   const int q0 = q_tile * kBM;
 
-  const int qlen = static_cast<int>(clamp_length(a.qlen, b, a.Lq));
-  const int kvlen = static_cast<int>(clamp_length(a.kvlen, b, a.Lk));
-  const int64_t offset = diagonal_offset(a.bottom_right != 0, qlen, kvlen);
+  const RowLengths len = row_lengths(a, b);
+  const int qlen = len.qlen, kvlen = len.kvlen;
+  const int64_t offset = len.offset;
 
   const T* Q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
   const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
@@ -201,8 +198,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
       l[1] += p2 + p3;
       const int key = wg * 32 + n * 8 + 2 * t;  // key column in the tile (even)
       const uint32_t in_unit = (key & 7) * 2;
-      *reinterpret_cast<uint32_t*>(sP + swz(rl0, key >> 3) + in_unit) = pack2<T>(p0, p1);
-      *reinterpret_cast<uint32_t*>(sP + swz(rl0 + 8, key >> 3) + in_unit) = pack2<T>(p2, p3);
+      *reinterpret_cast<uint32_t*>(sP + swizzle128_offset(rl0, key >> 3) + in_unit) =
+          pack2<T>(p0, p1);
+      *reinterpret_cast<uint32_t*>(sP + swizzle128_offset(rl0 + 8, key >> 3) + in_unit) =
+          pack2<T>(p2, p3);
     }
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
@@ -237,8 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
   // ---- epilogue: the row sums of both halves, then this half's 256 columns ----
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    l[r] = quad_sum(l[r]);
   }
   __syncthreads();  // (the last tile's readers of sM are done)
   if (t == 0) {
@@ -253,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
     const int rl = rl0 + 8 * r;
     const float L = sM[rl] + sM[kBM + rl];
     const bool empty = softmax_row_empty(L) || i >= qlen;  // a NaN sum is not empty
-    const float inv = empty ? 0.f : 1.f / L;
+    const float inv = row_inverse_sum(L, empty);
     T* O = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + static_cast<int64_t>(i) * a.os[2];
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
@@ -264,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
     }
     if (wg == 0 && t == 0)
       a.lse[(static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i] =
-          empty ? -INFINITY : (m[r] + log2f(L)) * 0.6931471805599453f;
+          row_lse_base2(m[r], L, empty);
   }
 #else
   __trap();  // compiled for sm_90a only (cuda/CMakeLists.txt)
