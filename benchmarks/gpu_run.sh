@@ -6,6 +6,7 @@
 #                                           decode_profile decode_ncu decode_ncu_source
 #                                           decode_crossover flash_check flash_highest flash_wgmma
 #                                           flash_ncu api cudnn_plans fa3_check wide_bwd
+#                                           xla_hlo
 #                                           (default: build tests probe bench)
 # - installs the carried wheels (.whl/: the nvidia-cudnn-frontend headers wheel;
 #   the machine has no network),
@@ -331,6 +332,11 @@ print(os.path.dirname(fe), os.path.dirname(dnn), os.path.join(os.path.dirname(os
   done
 fi
 
+if has xla_hlo; then
+  say "our XLA path's optimized HLO beside jax.nn's (benchmarks/tuning/xla_hlo.py)"
+  (cd /tmp && timeout "${XLA_HLO_TIMEOUT:-150}" python3 -P $repo/benchmarks/tuning/xla_hlo.py \
+     --out-dir "$OUT/hlo" ${XLA_HLO_ARGS:-} 2>&1 | tail -20) || rc=1
+fi
 if has wide_bwd; then
   say "16-bit backward at head dims > 256, formulation by formulation (benchmarks/tuning/wide_bwd.py)"
   (cd /tmp && timeout "${WIDE_BWD_TIMEOUT:-240}" python3 -P $repo/benchmarks/tuning/wide_bwd.py \

@@ -57,8 +57,6 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["1,16,4096,512,1", "1,16,4096,512,0",
                                                      "2,16,2048,384,1"])
     ap.add_argument("--out", default="wide_bwd.json")
-    ap.add_argument("--hlo-dir", default="", help="write the optimized HLO of our xla "
-                    "forward and jax.nn's here")
     args = ap.parse_args()
     rows = []
     for spec in args.shapes:
@@ -92,14 +90,6 @@ def main():
         put("jax.nn xla fwd", nn, (q, k, v), False, f_fwd)
         put("jax.nn's formulation with lse, fwd",
             lambda q, k, v: softmax_with_lse(q, k, v, causal), (q, k, v), False, f_fwd)
-        if args.hlo_dir:
-            ours = lambda q, k, v: jax_sdpa.dot_product_attention(  # noqa: E731
-                q, k, v, is_causal=causal, implementation="xla")
-            for name, fn in (("jax_sdpa_xla", ours), ("jaxnn_xla", nn)):
-                text = jax.jit(fn).lower(q, k, v).compile().as_text()
-                path = os.path.join(args.hlo_dir, f"{name}_{'_'.join(spec.split(','))}.txt")
-                with open(path, "w") as f:
-                    f.write(text)
         put("jax.nn xla fwd+bwd", nn, (q, k, v), True, 3.5 * f_fwd)
         # backward alone, from the reference's out / lse, [B, H, L, D]
         params = StaticParams(scale=d ** -0.5, window_right=0 if causal else -1)
