@@ -62,6 +62,7 @@ using cuda_common::cp_async_commit;
 using cuda_common::cp_async_wait;
 using cuda_common::from_float;
 using cuda_common::pack2;
+using cuda_common::quad_sum;
 using cuda_common::to_float;
 
 // D = A(16x16, row) * B(16x8, col) + D, f32 accumulators (cuda_common::mma16816, free to
@@ -81,6 +82,68 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 
 __device__ __forceinline__ uint32_t u4get(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// One 32-wide head-dim step of S = Q K^T on two 8-key n-tiles (mma m16n8k16): A = Q rows
+// g (qa) and g + 8 (qb), B = K rows of n-tile 0 (k0) and 1 (k1). Of each 16-byte
+// fragment, elements {0..3} feed the first k16 step and {4..7} the second.
+template <typename T>
+__device__ __forceinline__ void mma_qk_step(float (&s)[2][4], const uint4& qa, const uint4& qb,
+                                            const uint4& k0, const uint4& k1) {
+  mma16816<T>(s[0], qa.x, qb.x, qa.y, qb.y, k0.x, k0.y);
+  mma16816<T>(s[1], qa.x, qb.x, qa.y, qb.y, k1.x, k1.y);
+  mma16816<T>(s[0], qa.z, qb.z, qa.w, qb.w, k0.z, k0.w);
+  mma16816<T>(s[1], qa.z, qb.z, qa.w, qb.w, k1.z, k1.w);
+}
+
+// PV's A fragment (V^T) of m-tile j from the 8 dv of the four V rows of mma keys 2t,
+// 2t + 1, 2t + 8, 2t + 9 (v0..v3): m-tile j's rows g / g + 8 are the fragments' dv 2j /
+// 2j + 1, so each register is two halves of two loaded words (prmt).
+__device__ __forceinline__ void vt_fragment(const uint4& v0, const uint4& v1, const uint4& v2,
+                                            const uint4& v3, int j, uint32_t (&A)[4]) {
+  const uint32_t x0 = u4get(v0, j), x1 = u4get(v1, j), x2 = u4get(v2, j), x3 = u4get(v3, j);
+  A[0] = prmt(x0, x1, 0x5410);
+  A[1] = prmt(x0, x1, 0x7632);
+  A[2] = prmt(x2, x3, 0x5410);
+  A[3] = prmt(x2, x3, 0x7632);
+}
+
+// The four V rows of mma keys 2t, 2t + 1, 2t + 8, 2t + 9 at dv [dv, dv + 8) of a
+// row-major smem tile of DVP-element rows (vt_fragment's inputs).
+template <int DVP, typename T>
+__device__ __forceinline__ void load_vt_rows(const T* Vs, int t, int dv, uint4& v0, uint4& v1,
+                                             uint4& v2, uint4& v3) {
+  v0 = *reinterpret_cast<const uint4*>(Vs + (2 * t) * DVP + dv);
+  v1 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 1) * DVP + dv);
+  v2 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 8) * DVP + dv);
+  v3 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 9) * DVP + dv);
+}
+
+// The max of x over the lane's quad (lanes 4g .. 4g + 3: an mma row's four threads; the
+// sum is cuda_common::quad_sum).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// The online softmax's running max m_run of a row after a step whose scores' max is mx
+// (log2 domain): returns the factor exp2(m_old - m_new) that rescales the row's sum and
+// output; mu: the offset the step's p = exp2(s - mu) use (the new max, 0 while it is
+// -inf, so that masked scores give 0, not NaN).
+__device__ __forceinline__ float online_max_update(float& m_run, float mx, float& mu) {
+  const float mn = fmaxf(m_run, mx);
+  mu = mn == -INFINITY ? 0.f : mn;
+  const float al = exp2f(m_run - mu);
+  m_run = mn;
+  return al;
+}
+
+// Zeros every element of a (multi-dimensional) float array: accumulators, score tiles.
+__device__ __forceinline__ void fill_zero(float& x) { x = 0.f; }
+template <typename E, int N>
+__device__ __forceinline__ void fill_zero(E (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fill_zero(x[i]);
 }
 
 // Query head h and query index i of row r of kv head kvh's rows (r = (h - kvh G) Lq + i).
@@ -405,6 +468,27 @@ __device__ __forceinline__ BlockWork block_work(const Args& a, int RB) {
   return wk;
 }
 
+// block_work and the split's keys [*ks0, *ks1) (split_range at key step GRAN).
+template <int GRAN = kTileKeys>
+__device__ __forceinline__ BlockWork block_keys(const Args& a, int RB, int* ks0, int* ks1) {
+  const BlockWork wk = block_work(a, RB);
+  split_range<GRAN>(a, wk.r0, RB, wk.split, wk.qlen, wk.kvlen, ks0, ks1);
+  return wk;
+}
+// The number of GRAN-key steps (tiles, stages) of keys [ks0, ks1).
+template <int GRAN = kTileKeys>
+__device__ __forceinline__ int key_steps(int ks0, int ks1) {
+  return (ks1 - ks0 + GRAN - 1) / GRAN;
+}
+
+// Where kv head kvh of batch row b starts in K or V (data p, strides st): a key loop's
+// base. PAGED: the page pools, no batch offset (the page table places each key).
+template <typename T, bool PAGED = false>
+__device__ __forceinline__ const T* kv_head_base(const void* p, const int64_t (&st)[3], int b,
+                                                 int kvh) {
+  return reinterpret_cast<const T*>(p) + (PAGED ? 0 : b * st[0]) + kvh * st[1];
+}
+
 // The block's query rows r0 .. r0 + NROWS - 1 -> smem rows of QP elements (zeros past
 // the RB rows of the block or the R rows of the group), 16 bytes a thread and step.
 template <typename T, int D, int QP, int NROWS, int RB, int NTHR>
@@ -540,6 +624,16 @@ __device__ __forceinline__ void load_tile(T* stage, const T* kbase, const T* vba
   constexpr int EPV = 16 / sizeof(T);
   load_rows<T, D / EPV, DP, PF>(stage, kbase, kst, j0, jend, lane);
   load_rows<T, DV / EPV, DVP, PF>(stage + kTileKeys * DP, vbase, vst, j0, jend, lane);
+}
+
+// The same with a whole block of NTHR threads (load_rows_by), for kernels whose warps
+// share each tile.
+template <typename T, int D, int DV, int DP, int DVP, int PF, int NTHR>
+__device__ __forceinline__ void load_tile_by(T* stage, const T* kbase, const T* vbase,
+                                             int64_t kst, int64_t vst, int j0, int jend, int tid) {
+  constexpr int EPV = 16 / sizeof(T);
+  load_rows_by<T, D / EPV, DP, PF, NTHR>(stage, kbase, kst, j0, jend, tid);
+  load_rows_by<T, DV / EPV, DVP, PF, NTHR>(stage + kTileKeys * DP, vbase, vst, j0, jend, tid);
 }
 
 }  // namespace cuda_decode

@@ -50,10 +50,10 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
   const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
-  const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
+  const int ntiles = key_steps(ks0, ks1);
   const int my_tiles = ntiles > w ? (ntiles - w + W - 1) / W : 0;
-  const float* kbase = reinterpret_cast<const float*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
-  const float* vbase = reinterpret_cast<const float*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  const float* kbase = kv_head_base<float>(a.k, a.ks, b, kvh);
+  const float* vbase = kv_head_base<float>(a.v, a.vs, b, kvh);
   float* myring = ring + w * S * STAGE;
   float* myP = Ps + w * RB * kTileKeys;
 
@@ -90,11 +90,8 @@ __global__ void __launch_bounds__(W * 32, 1) decode_simt_kernel(const Args a) {
   for (int r = 0; r < RB; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
-#pragma unroll
-    for (int x = 0; x < VX; ++x)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][x][e] = 0.f;
   }
+  fill_zero(acc);
 
   for (int it = 0; it < my_tiles; ++it) {
     {

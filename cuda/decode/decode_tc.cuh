@@ -35,19 +35,13 @@ __device__ __forceinline__ void tc_tile_step(const Args& a, const RowInfo& rowA,
   // 4..7). Two accumulator sets (even / odd steps) halve the dependent mma chain (D512:
   // 32 -> 16 deep), which bounds a warp's tile time at one warp per scheduler.
   float s[2][4], s_odd[2][4];
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] = s_odd[n][e] = 0.f;
+  fill_zero(s);
+  fill_zero(s_odd);
 #pragma unroll
   for (int c = 0; c < NKC; ++c) {
-    float(&sc)[2][4] = (c & 1) ? s_odd : s;
     uint4 qa, qb, k0, k1;
     qk(c, qa, qb, k0, k1);
-    mma16816<T>(sc[0], qa.x, qb.x, qa.y, qb.y, k0.x, k0.y);
-    mma16816<T>(sc[1], qa.x, qb.x, qa.y, qb.y, k1.x, k1.y);
-    mma16816<T>(sc[0], qa.z, qb.z, qa.w, qb.w, k0.z, k0.w);
-    mma16816<T>(sc[1], qa.z, qb.z, qa.w, qb.w, k1.z, k1.w);
+    mma_qk_step<T>((c & 1) ? s_odd : s, qa, qb, k0, k1);
   }
 #pragma unroll
   for (int n = 0; n < 2; ++n)
@@ -76,21 +70,10 @@ __device__ __forceinline__ void tc_tile_step(const Args& a, const RowInfo& rowA,
       else
         mxA = fmaxf(mxA, s[n][e]);
     }
-  mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-  mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-  const float mnA = fmaxf(mA, mxA);
-  const float muA = mnA == -INFINITY ? 0.f : mnA;
-  const float alA = exp2f(mA - muA);
-  mA = mnA;
+  float muA;
+  const float alA = online_max_update(mA, quad_max(mxA), muA);
   float alB = 1.f, muB = 0.f;
-  if (NT == 2) {
-    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-    mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-    const float mnB = fmaxf(mB, mxB);
-    muB = mnB == -INFINITY ? 0.f : mnB;
-    alB = exp2f(mB - muB);
-    mB = mnB;
-  }
+  if (NT == 2) alB = online_max_update(mB, quad_max(mxB), muB);
   float sumA = 0.f, sumB = 0.f;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
@@ -152,14 +135,21 @@ __device__ __forceinline__ void tc_tile_step(const Args& a, const RowInfo& rowA,
     pv(c, v0, v1, v2, v3);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint32_t x0 = u4get(v0, j), x1 = u4get(v1, j), x2 = u4get(v2, j),
-                     x3 = u4get(v3, j);
-      const uint32_t A0 = prmt(x0, x1, 0x5410), A1 = prmt(x0, x1, 0x7632);
-      const uint32_t A2 = prmt(x2, x3, 0x5410), A3 = prmt(x2, x3, 0x7632);
+      uint32_t A[4];
+      vt_fragment(v0, v1, v2, v3, j, A);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) mma16816<T>(acc[c][j][n], A0, A1, A2, A3, pb[n][0], pb[n][1]);
+      for (int n = 0; n < NT; ++n)
+        mma16816<T>(acc[c][j][n], A[0], A[1], A[2], A[3], pb[n][0], pb[n][1]);
     }
   }
+}
+
+// After a tc_tile_step warp's last tile: rows g's and (NT == 2) g + 8's per-thread partial
+// sums reduced over the quad (decode_tc_kernel, decode_tma_kernel).
+template <int NT>
+__device__ __forceinline__ void tc_quad_sums(float& lA, float& lB) {
+  lA = quad_sum(lA);
+  if (NT == 2) lB = quad_sum(lB);
 }
 
 
@@ -206,12 +196,11 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
-  const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
+  const int ntiles = key_steps(ks0, ks1);
   const int my_tiles = ntiles > w ? (ntiles - w + W - 1) / W : 0;
 
-  // (paged: no batch offset; the page table places each key)
-  const T* kbase = reinterpret_cast<const T*>(a.k) + (PAGED ? 0 : b * a.ks[0]) + kvh * a.ks[1];
-  const T* vbase = reinterpret_cast<const T*>(a.v) + (PAGED ? 0 : b * a.vs[0]) + kvh * a.vs[1];
+  const T* kbase = kv_head_base<T, PAGED>(a.k, a.ks, b, kvh);
+  const T* vbase = kv_head_base<T, PAGED>(a.v, a.vs, b, kvh);
   const int32_t* table = PAGED ? a.pages + static_cast<int64_t>(b) * a.pages_per_seq : nullptr;
   T* myring = ring + w * S * STAGE;
   auto issue = [&](T* stage, int j0) {
@@ -239,14 +228,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
 
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
   float acc[NVC][4][NT][4];
-#pragma unroll
-  for (int c = 0; c < NVC; ++c)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[c][j][n][e] = 0.f;
+  fill_zero(acc);
 
   for (int it = 0; it < my_tiles; ++it) {
     {
@@ -267,7 +249,7 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
     // second, so logical k = 2t, 2t+1, 2t+8, 2t+9 map to physical 32c + 8t + {0,1,2,3}
     // (+4), identically for A and B. PV: thread (g, t) reads dv [64c + 8g, +8) of keys 2t,
     // 2t+1, 2t+8, 2t+9; m-tile j's rows g / g+8 are dv 64c + 8g + 2j / +1, so each A
-    // register is two halves of two loaded words (prmt, in tc_tile_step).
+    // register is two halves of two loaded words (prmt: vt_fragment, in tc_tile_step).
     auto qk = [&](int c, uint4& qa, uint4& qb, uint4& k0, uint4& k1) {
       const int d = 32 * c + 8 * t;
       qa = qb = k0 = k1 = make_uint4(0, 0, 0, 0);
@@ -286,24 +268,14 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
     auto pv = [&](int c, uint4& v0, uint4& v1, uint4& v2, uint4& v3) {
       const int dv = 64 * c + 8 * g;
       v0 = v1 = v2 = v3 = make_uint4(0, 0, 0, 0);
-      if (64 * c + 64 <= DV || dv < DV) {
-        v0 = *reinterpret_cast<const uint4*>(Vs + (2 * t) * DVP + dv);
-        v1 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 1) * DVP + dv);
-        v2 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 8) * DVP + dv);
-        v3 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 9) * DVP + dv);
-      }
+      if (64 * c + 64 <= DV || dv < DV) load_vt_rows<DVP>(Vs, t, dv, v0, v1, v2, v3);
     };
     tc_tile_step<T, D, DV, NT>(a, rowA, rowB, qk, key, pv, mA, mB, lA, lB, acc);
     __syncwarp();  // the stage is refilled next iteration
   }
   cp_async_wait<0>();
 
-  lA += __shfl_xor_sync(0xffffffffu, lA, 1);
-  lA += __shfl_xor_sync(0xffffffffu, lA, 2);
-  if (NT == 2) {
-    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
-    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-  }
+  tc_quad_sums<NT>(lA, lB);
   __syncthreads();  // every warp is done with Q and the ring: reuse smem
   float* red = reinterpret_cast<float*>(smem);
   float* red_m = red;

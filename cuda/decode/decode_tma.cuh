@@ -320,14 +320,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
   float acc[NVC][4][NT][4];
-#pragma unroll
-  for (int c = 0; c < NVC; ++c)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[c][j][n][e] = 0.f;
+  fill_zero(acc);
 
   if (w == W) {
     // Producer: one thread keeps the ring full (a stage is refilled once all W
@@ -407,12 +400,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[s]);  // the stage may be refilled
     }
-    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
-    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
-    if (NT == 2) {
-      lB += __shfl_xor_sync(0xffffffffu, lB, 1);
-      lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-    }
+    tc_quad_sums<NT>(lA, lB);
   }
   __syncthreads();  // every stage was consumed (so every TMA copy landed): reuse the ring
   float* red = reinterpret_cast<float*>(ring);

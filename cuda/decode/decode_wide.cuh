@@ -41,8 +41,27 @@ struct WideConfig {
 };
 
 // The wide kernels' shared pieces (decode_wide_kernel here, decode_wide_tma_kernel in
-// decode_wide_tma.cuh): every warp holds the same summed scores of a tile, so the same
-// online softmax, and writes its own output columns at the end.
+// decode_wide_tma.cuh; decode_wide_f32_kernel takes the score sum and the row ends):
+// every warp holds the same summed scores of a tile, so the same online softmax, and
+// writes its own output columns at the end.
+
+// Every warp's partial scores of this lane summed (the wide kernels' exchange): p[4k + e]
+// = sum over warps ww of element e of sx[(ww K + k) 32 + lane], K tiles a warp.
+template <int NW, int K>
+__device__ __forceinline__ void sum_warp_scores(const float4* sx, int lane, float (&p)[4 * K]) {
+#pragma unroll
+  for (int e = 0; e < 4 * K; ++e) p[e] = 0.f;
+#pragma unroll
+  for (int ww = 0; ww < NW; ++ww)
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float4 x = sx[(ww * K + k) * 32 + lane];
+      p[4 * k] += x.x;
+      p[4 * k + 1] += x.y;
+      p[4 * k + 2] += x.z;
+      p[4 * k + 3] += x.w;
+    }
+}
 
 // One step's online softmax of row g: p = this thread's NP summed scores (raw, in
 // groups of four per 16-key tile: mma key indices 2t, 2t+1, 2t+8, 2t+9), of keys
@@ -59,12 +78,8 @@ __device__ __forceinline__ void wide_softmax(const Args& a, const RowInfo& row, 
     p[e] = masked_score(a, p[e] * a.scale_log2, key_of(e), row.first, row.last, row.mrow);
     mx = fmaxf(mx, p[e]);
   }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float mn = fmaxf(m_run, mx);
-  const float mu = mn == -INFINITY ? 0.f : mn;
-  const float al = exp2f(m_run - mu);
-  m_run = mn;
+  float mu;
+  const float al = online_max_update(m_run, quad_max(mx), mu);
   float sum = 0.f;
 #pragma unroll
   for (int e = 0; e < NP; ++e) {
@@ -89,15 +104,19 @@ __device__ __forceinline__ void wide_softmax(const Args& a, const RowInfo& row, 
   for (int e = 0; e < NP / 2; ++e) pb[e] = pack2<T>(p[2 * e], p[2 * e + 1]);
 }
 
-// The end of one output row of a wide kernel (block row rr, its log2-domain max M and
-// sum L): with one split, put(out row, scale) writes the thread's outputs times the
-// row's normalizer, and the lse; with several, put(partial row, 1 / L) writes normalized
-// partials for combine_kernel, and the split's lse. stats_writer: this thread writes the
-// lse (every warp holds the same stats). Rows past the group are skipped.
+// The end of one output row of a wide kernel (block row rr): its log2-domain max M and
+// sum L are lane 4 rr's m_run / l_run (each lane holds row lane / 4's, quad-reduced; every
+// lane calls this, shuffles first). With one split, put(out row, scale) writes the
+// thread's outputs times the row's normalizer, and the lse; with several, put(partial
+// row, 1 / L) writes normalized partials for combine_kernel, and the split's lse.
+// stats_writer: this thread writes the lse (every warp holds the same stats). Rows past
+// the group are skipped.
 template <typename T, int DV, typename Put>
 __device__ __forceinline__ void wide_finish_row(const Args& a, int b, int kvh, int r0, int rr,
-                                                int split, int qlen, float M, float L,
+                                                int split, int qlen, float m_run, float l_run,
                                                 bool stats_writer, Put put) {
+  const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
+  const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
   const int r = r0 + rr;
   if (r >= a.R) return;
   const HeadQuery hq = head_query(a, kvh, r);
@@ -125,14 +144,11 @@ __device__ __forceinline__ void wide_store(const Args& a, const float (&acc)[NVC
                                            float m_run, float l_run, int b, int kvh, int r0,
                                            int split, int qlen, bool stats_warp, DvOf dv_of) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  l_run = quad_sum(l_run);
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int rr = 2 * t + q;
-    const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
-    const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
-    wide_finish_row<T, DV>(a, b, kvh, r0, rr, split, qlen, M, L, stats_warp && g == 0,
+    wide_finish_row<T, DV>(a, b, kvh, r0, rr, split, qlen, m_run, l_run, stats_warp && g == 0,
                            [&](auto* dst, float scale) {
 #pragma unroll
                              for (int c = 0; c < NVC; ++c)
@@ -158,7 +174,6 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
   constexpr int DP = Cfg::DP, DVP = Cfg::DVP, STAGE = Cfg::kStage, RB = Cfg::kRows;
   constexpr int NKC = Cfg::DQ / 32;   // this warp's 32-wide head-dim chunks (QK)
   constexpr int NVC = Cfg::DVW / 64;  // this warp's 64-wide dv chunks (PV)
-  constexpr int EPV = 16 / sizeof(T);
   constexpr int NTHR = Cfg::kThreads;
   extern __shared__ __align__(16) unsigned char smem[];
   T* Qs = reinterpret_cast<T*>(smem);                                     // [RB][DP]
@@ -167,20 +182,16 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const BlockWork wk = block_work(a, RB);
+  int ks0, ks1;
+  const BlockWork wk = block_keys(a, RB, &ks0, &ks1);
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
-  int ks0, ks1;
-  split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
-  const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
-  const T* kbase = reinterpret_cast<const T*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
-  const T* vbase = reinterpret_cast<const T*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  const int ntiles = key_steps(ks0, ks1);
+  const T* kbase = kv_head_base<T>(a.k, a.ks, b, kvh);
+  const T* vbase = kv_head_base<T>(a.v, a.vs, b, kvh);
   auto load = [&](int tile) {
-    T* st = ring + (tile % S) * STAGE;
-    const int j0 = ks0 + tile * kTileKeys;
-    load_rows_by<T, D / EPV, DP, PF, NTHR>(st, kbase, a.ks[2], j0, ks1, tid);
-    load_rows_by<T, DV / EPV, DVP, PF, NTHR>(st + kTileKeys * DP, vbase, a.vs[2], j0, ks1,
-                                                 tid);
+    load_tile_by<T, D, DV, DP, DVP, PF, NTHR>(ring + (tile % S) * STAGE, kbase, vbase, a.ks[2],
+                                              a.vs[2], ks0 + tile * kTileKeys, ks1, tid);
   };
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
@@ -194,12 +205,7 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
   const RowInfo row = row_info(a, b, kvh, r0 + g, qlen, kvlen);
   float m_run = -INFINITY, l_run = 0.f;
   float acc[NVC][4][4];
-#pragma unroll
-  for (int c = 0; c < NVC; ++c)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[c][j][e] = 0.f;
+  fill_zero(acc);
 
   for (int it = 0; it < ntiles; ++it) {
     // Committed groups: S - 1 + it; tile it is group it -> at most S - 2 pending.
@@ -212,21 +218,15 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
 
     // 1. Partial S = Q K^T over head dims [w * DQ, (w + 1) * DQ).
     float s[2][4], s_odd[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = s_odd[n][e] = 0.f;
+    fill_zero(s);
+    fill_zero(s_odd);
 #pragma unroll
     for (int c = 0; c < NKC; ++c) {
-      float(&sc)[2][4] = (c & 1) ? s_odd : s;
       const int d = w * Cfg::DQ + 32 * c + 8 * t;
       const uint4 qa = *reinterpret_cast<const uint4*>(Qs + g * DP + d);
       const uint4 k0 = *reinterpret_cast<const uint4*>(Ks + g * DP + d);
       const uint4 k1 = *reinterpret_cast<const uint4*>(Ks + (g + 8) * DP + d);
-      mma16816<T>(sc[0], qa.x, 0u, qa.y, 0u, k0.x, k0.y);
-      mma16816<T>(sc[1], qa.x, 0u, qa.y, 0u, k1.x, k1.y);
-      mma16816<T>(sc[0], qa.z, 0u, qa.w, 0u, k0.z, k0.w);
-      mma16816<T>(sc[1], qa.z, 0u, qa.w, 0u, k1.z, k1.w);
+      mma_qk_step<T>((c & 1) ? s_odd : s, qa, make_uint4(0, 0, 0, 0), k0, k1);
     }
     // Row g's four scores of this thread (keys 2t, 2t+1, 2t+8, 2t+9 of the tile).
     *reinterpret_cast<float4*>(Sx + (w * 32 + lane) * 4) =
@@ -239,19 +239,11 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
       cp_async_commit();
     }
     __syncthreads();  // (2) the partial scores are visible
-    float4 tot = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int ww = 0; ww < NW; ++ww) {
-      const float4 x = *reinterpret_cast<const float4*>(Sx + (ww * 32 + lane) * 4);
-      tot.x += x.x;
-      tot.y += x.y;
-      tot.z += x.z;
-      tot.w += x.w;
-    }
+    float p[4];
+    sum_warp_scores<NW, 1>(reinterpret_cast<const float4*>(Sx), lane, p);
 
     // 2. Online softmax of row g (identical in every warp).
     const int j0 = ks0 + it * kTileKeys;
-    float p[4] = {tot.x, tot.y, tot.z, tot.w};
     uint32_t pb[2];
     wide_softmax<T>(a, row, p, [&](int e) { return j0 + 8 * (e >> 1) + 2 * t + (e & 1); },
                     m_run, l_run, acc, pb);
@@ -260,17 +252,13 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_kernel(const Args a) {
     // 3. O^T += V^T P^T over output columns [w * DVW, (w + 1) * DVW).
 #pragma unroll
     for (int c = 0; c < NVC; ++c) {
-      const int dv = w * Cfg::DVW + 64 * c + 8 * g;
-      const uint4 v0 = *reinterpret_cast<const uint4*>(Vs + (2 * t) * DVP + dv);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 1) * DVP + dv);
-      const uint4 v2 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 8) * DVP + dv);
-      const uint4 v3 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 9) * DVP + dv);
+      uint4 v0, v1, v2, v3;
+      load_vt_rows<DVP>(Vs, t, w * Cfg::DVW + 64 * c + 8 * g, v0, v1, v2, v3);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t x0 = u4get(v0, j), x1 = u4get(v1, j), x2 = u4get(v2, j),
-                       x3 = u4get(v3, j);
-        mma16816<T>(acc[c][j], prmt(x0, x1, 0x5410), prmt(x0, x1, 0x7632), prmt(x2, x3, 0x5410),
-                    prmt(x2, x3, 0x7632), pb0, pb1);
+        uint32_t A[4];
+        vt_fragment(v0, v1, v2, v3, j, A);
+        mma16816<T>(acc[c][j], A[0], A[1], A[2], A[3], pb0, pb1);
       }
     }
   }

@@ -60,14 +60,14 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
   const int kvlen = wk.kvlen;
   int ks0, ks1;
   split_range(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
+  // (Not key_steps: here that reorders the S2 kernel's code.)
   const int ntiles = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
-  const float* kbase = reinterpret_cast<const float*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
-  const float* vbase = reinterpret_cast<const float*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  const float* kbase = kv_head_base<float>(a.k, a.ks, b, kvh);
+  const float* vbase = kv_head_base<float>(a.v, a.vs, b, kvh);
   auto load = [&](int tile) {
-    float* st = ring + (tile % S) * STAGE;
-    const int j0 = ks0 + tile * kTileKeys;
-    load_rows_by<float, D / 4, KP, PF, NTHR>(st, kbase, a.ks[2], j0, ks1, tid);
-    load_rows_by<float, DV / 4, VP, PF, NTHR>(st + kTileKeys * KP, vbase, a.vs[2], j0, ks1, tid);
+    load_tile_by<float, D, DV, KP, VP, PF, NTHR>(ring + (tile % S) * STAGE, kbase, vbase,
+                                                 a.ks[2], a.vs[2], ks0 + tile * kTileKeys, ks1,
+                                                 tid);
   };
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
@@ -94,10 +94,7 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
   const RowInfo row = row_info(a, b, kvh, r0 + g, qlen, kvlen);
   float m_run = -INFINITY, l_run = 0.f;
   float acc[4][4];  // rows 4 rh + r, dv 64 w + 4 cv + e
-#pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[r][e] = 0.f;
+  fill_zero(acc);
   float* myP = Ps + w * RB * kTileKeys;
 
   for (int it = 0; it < ntiles; ++it) {
@@ -129,15 +126,8 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
       cp_async_commit();
     }
     __syncthreads();  // (2) the partial scores are visible
-    float p[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int ww = 0; ww < NW; ++ww) {
-      const float4 x = Sx[ww * 32 + lane];
-      p[0] += x.x;
-      p[1] += x.y;
-      p[2] += x.z;
-      p[3] += x.w;
-    }
+    float p[4];
+    sum_warp_scores<NW, 1>(Sx, lane, p);
 
     // 2. Online softmax of row g (identical in every warp).
     const int j0 = ks0 + it * kTileKeys;
@@ -149,12 +139,8 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
                           row.mrow);
       mx = fmaxf(mx, p[i]);
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mn = fmaxf(m_run, mx);
-    const float mu = mn == -INFINITY ? 0.f : mn;
-    const float al = exp2f(m_run - mu);
-    m_run = mn;
+    float mu;
+    const float al = online_max_update(m_run, quad_max(mx), mu);
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -199,14 +185,11 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
   cp_async_wait<0>();
 
   // Row g's sum over its quad; then rows 4 rh + r take their stats from lane 4 (4 rh + r).
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  l_run = quad_sum(l_run);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int rr = 4 * rh + r;
-    const float M = __shfl_sync(0xffffffffu, m_run, rr * 4);
-    const float L = __shfl_sync(0xffffffffu, l_run, rr * 4);
-    wide_finish_row<float, DV>(a, b, kvh, r0, rr, split, qlen, M, L, w == 0 && cv == 0,
+    wide_finish_row<float, DV>(a, b, kvh, r0, rr, split, qlen, m_run, l_run, w == 0 && cv == 0,
                                [&](float* dst, float scale) {
                                  *reinterpret_cast<float4*>(dst + w * Cfg::DVW + 4 * cv) =
                                      scaled_row(make_float4(acc[r][0], acc[r][1],

@@ -81,12 +81,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   if (tid == NW * 32) prefetch_maps(maps);
-  const BlockWork wk = block_work(a, RB);
+  int ks0, ks1;
+  const BlockWork wk = block_keys(a, RB, &ks0, &ks1);
   const int b = wk.b, kvh = wk.kvh, r0 = wk.r0, split = wk.split, qlen = wk.qlen;
   const int kvlen = wk.kvlen;
-  int ks0, ks1;
-  split_range<kTileKeys>(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
-  const int nst = (ks1 - ks0 + kTileKeys - 1) / kTileKeys;
+  const int nst = key_steps(ks0, ks1);
 
   // One copy per 64-wide chunk tile of a stage's K and V.
   auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
@@ -139,12 +138,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
   float m_run = -INFINITY, l_run = 0.f;
   float acc[NVC][4][4];
-#pragma unroll
-  for (int c = 0; c < NVC; ++c)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[c][j][e] = 0.f;
+  fill_zero(acc);
 
   const int nsteps = (nst + KT - 1) / KT;
   for (int it = 0; it < nsteps; ++it) {
@@ -153,10 +147,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     float sc[KT][2][4];
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[kt][n][e] = 0.f;
+      fill_zero(sc[kt]);
       const int st = it * KT + kt;
       if (st >= nst) continue;
       const int s = st % S;
@@ -183,10 +174,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int f = qk_chunk<64>(c & 1, t);
         const uint4 k0 = *reinterpret_cast<const uint4*>(Kc + swizzled<1>(krow0, f));
         const uint4 k1 = *reinterpret_cast<const uint4*>(Kc + swizzled<1>(krow1, f));
-        mma16816<T>(sc[kt][0], qa[c].x, 0u, qa[c].y, 0u, k0.x, k0.y);
-        mma16816<T>(sc[kt][1], qa[c].x, 0u, qa[c].y, 0u, k1.x, k1.y);
-        mma16816<T>(sc[kt][0], qa[c].z, 0u, qa[c].w, 0u, k0.z, k0.w);
-        mma16816<T>(sc[kt][1], qa[c].z, 0u, qa[c].w, 0u, k1.z, k1.w);
+        mma_qk_step<T>(sc[kt], qa[c], make_uint4(0, 0, 0, 0), k0, k1);
       }
     }
     // 2. Exchange: row g's partial scores of this thread, then every warp's sum.
@@ -199,18 +187,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     // finished reading the other buffer in the previous step.
     consumer_barrier(NW * 32);
     float p[4 * KT];
-#pragma unroll
-    for (int e = 0; e < 4 * KT; ++e) p[e] = 0.f;
-#pragma unroll
-    for (int ww = 0; ww < NW; ++ww)
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
-        const float4 x = sx[(ww * KT + kt) * 32 + lane];
-        p[4 * kt] += x.x;
-        p[4 * kt + 1] += x.y;
-        p[4 * kt + 2] += x.z;
-        p[4 * kt + 3] += x.w;
-      }
+    sum_warp_scores<NW, KT>(sx, lane, p);
     // Keys past the split's range (the rest of a partial stage, an absent tile) may be
     // visible to the row (they belong to the next split): INT_MAX masks them.
     const int jb = ks0 + it * KT * kTileKeys;
@@ -237,10 +214,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const uint4 v3 = *reinterpret_cast<const uint4*>(Vc + swizzled<1>(vrow3, vchunk));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t x0 = u4get(v0, j), x1 = u4get(v1, j), x2 = u4get(v2, j),
-                         x3 = u4get(v3, j);
-          mma16816<T>(acc[c][j], prmt(x0, x1, 0x5410), prmt(x0, x1, 0x7632),
-                      prmt(x2, x3, 0x5410), prmt(x2, x3, 0x7632), pb[2 * kt], pb[2 * kt + 1]);
+          uint32_t A[4];
+          vt_fragment(v0, v1, v2, v3, j, A);
+          mma16816<T>(acc[c][j], A[0], A[1], A[2], A[3], pb[2 * kt], pb[2 * kt + 1]);
         }
       }
     }
