@@ -35,8 +35,9 @@ ROWS = {
         (128,),
         "where cuDNN serves a 16-bit decode call with R <= 4 query rows per kv head and at "
         "least CUDA_DECODE_MIN_KV_BYTES of K + V, our decode kernel at these head dims "
-        "(D = Dv): B8 H32/KV8 Lk8192 D128 3799 vs 3626 GB/s for our cuDNN graph, B1 "
-        "Lk32768 3127 vs 2948, B64 Lk2048 4078 vs 4044",
+        "(D = Dv): B8 H32/KV8 Lk8192 D128 3804 vs 3524 GB/s for our cuDNN graph, B1 "
+        "Lk32768 3048 vs 2797, B64 Lk2048 4079 vs 4030; at D64 (B8 Lk8192) cuDNN stays "
+        "ahead, 3019 vs 2215",
         "benchmarks/results/h200/peers_decode.json"),
     "CUDA_DECODE_MIN_KV_BYTES": Row(
         32 << 20,
@@ -71,41 +72,46 @@ ROWS = {
         "(peers.json). With all three gradients, one run (wide_bwd.json): our flash "
         "forward+backward 6.24 ms, our flash forward 1.29 ms, this backward alone 2.95 ms "
         "with P and dS in bf16 (XLA_GPU_PROBS_IN_INPUT_DTYPE; 5.34 in float32), jax.nn "
-        "xla's forward+backward 5.46 ms; None with this row 4.34 ms",
+        "xla's forward+backward 5.46 ms; None with this row 4.44 ms against 5.52 for "
+        "jax.nn xla (217 vs 174 TFLOP/s, peers_features.json)",
         "benchmarks/results/h200/peers.json, benchmarks/results/h200/wide_bwd.json, "
-        "benchmarks/results/h200/peers_decode.json"),
+        "benchmarks/results/h200/peers_features.json"),
     "XLA_WIDE_FWD_UNBANDED": Row(
         True,
         "16-bit forward at head dims > 256 with no causal band or window, on a GPU: XLA's "
         "materialized forward (within XLA_WIDE_BWD_MAX_SCORE_BYTES), not our flash forward: "
         "B1 H16 L4096 D512 non-causal, our flash forward 2.27 ms, our XLA forward 1.84, "
         "forward+backward 5.37 ms through our flash forward against 4.41 with this row; "
-        "causal, our flash forward stays ahead (1.28 ms vs 1.93) and keeps the row",
-        "benchmarks/results/h200/wide_bwd.json"),
+        "causal, our flash forward stays ahead (1.28 ms vs 1.93) and keeps the row. With "
+        "the row (peers_features.json): None 1.85 ms forward (our flash forward 2.32), "
+        "forward+backward 4.47 ms against 5.13 for jax.nn xla",
+        "benchmarks/results/h200/wide_bwd.json, benchmarks/results/h200/peers_features.json"),
     "XLA_GPU_PROBS_IN_INPUT_DTYPE": Row(
         True,
         "16-bit calls of our XLA path on a GPU round P and dS to the input dtype before "
         "their matmuls (what cuDNN, our flash kernels and jax.nn's autodiff feed the tensor "
         "cores): the backward of B1 H16 L4096 D512 causal ran in 2.95 ms against 5.34 ms "
         "with float32 operands (non-causal 3.00 vs 5.47); with it None (our flash forward "
-        "and this backward) ran that row's forward+backward in 4.34 ms against jax.nn xla's "
-        "5.47 (221.6 vs 175.9 TFLOP/s, peers_decode.json); on a CPU they stay float32",
+        "and this backward) ran that row's forward+backward in 4.44 ms against jax.nn xla's "
+        "5.52 (217 vs 174 TFLOP/s, peers_features.json); on a CPU they stay float32",
         "benchmarks/results/h200/wide_bwd.json"),
     "CUDA_PAGED_FLASH_FOR_NONE": Row(
         False,
         "implementation=None runs a paged call on our CUDA paged target only where the paged "
         "decode kernel reads its pages (16-bit, D = Dv in {64, 128, 256}, no soft cap: B8 "
-        "H32/KV8 Lk8192 D128 bf16 page 64 2602 GB/s, flash-attn3-jax 2146, our XLA gather "
-        "1029); the flash feature kernel's paged path ran the fp32 row at 6.1 ms against "
+        "H32/KV8 Lk8192 D128 bf16 page 64 2558 GB/s, flash-attn3-jax 2130, our XLA gather "
+        "1027); the flash feature kernel's paged path ran the fp32 row at 6.15 ms against "
         "0.43 ms for the XLA gather, so there None takes the gather",
         "benchmarks/results/h200/peers_decode.json"),
     "CUDA_FLASH_FOR_FEATURES": Row(
         {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
         "16-bit prefill with a feature cuDNN doesn't serve: our CUDA flash kernels in these "
         "directions, our XLA path in the others. Packed B2 H32/KV8 L8192 D128 causal, 8 "
-        "segments: ours 7.2 / 41 ms fwd / fwd+bwd vs the XLA path's 108 / 194; soft cap 30 "
-        "B4 H32 L4096 D128 causal: ours 21 / 120 vs 56 / 98 (its backward: XLA 42 ms, ours "
-        "99)",
+        "segments: ours 7.3 / 40.6 ms fwd / fwd+bwd; the materialized XLA path 23 ms "
+        "forward and out of memory for the backward. Soft cap 30 B4 H32 L4096 D128 causal: "
+        "ours forward 21.2 ms, None's forward+backward (ours, then the chunked XLA "
+        "backward) 81 ms against 117 for ours both ways; the materialized XLA path ran "
+        "12.7 / 23.9 ms from 8.6 GB of scores, past XLA_CHUNKED_SCORE_BYTES",
         "benchmarks/results/h200/peers_features.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
