@@ -256,11 +256,8 @@ def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segme
     # a row with a sum of 0 (nothing visible, or a padded query row) has every p = 0:
     # dividing by 1 keeps it 0 without a select over the scores
     p = p / jnp.where(total == 0, jnp.ones((), acc), total)[..., None]
-    out = jnp.einsum("bkgij,bkjd->bkgid", _pv_operand(p, v.dtype, acc, probs_dtype), v,
-                     precision=precision, preferred_element_type=acc)
-    out = out.reshape(b, hq, lq, v.shape[-1]).astype(q.dtype)
-    lse = lse.reshape(b, hq, lq).astype(jnp.float32)
-    return _from_bhld(out, params.seq_major), lse
+    out = _weighted_values(p, v, b, hq, lq, q.dtype, params, precision, probs_dtype)
+    return out, lse.reshape(b, hq, lq).astype(jnp.float32)
 
 
 def _forward_without_lse(s, v, b, hq, lq, out_dtype, params, precision, probs_dtype):
@@ -275,11 +272,17 @@ def _forward_without_lse(s, v, b, hq, lq, out_dtype, params, precision, probs_dt
     e = _exp_below(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(total == 0, jnp.ones((), acc), total)
+    out = _weighted_values(p, v, b, hq, lq, out_dtype, params, precision, probs_dtype)
+    return out, jnp.full((b, hq, lq), jnp.nan, jnp.float32)
+
+
+def _weighted_values(p, v, b, hq, lq, out_dtype, params, precision, probs_dtype):
+    """out = P V from the normalized probabilities [B, Hk, G, Lq, Lk], in the caller's
+    layout and dtype."""
+    acc = p.dtype
     out = jnp.einsum("bkgij,bkjd->bkgid", _pv_operand(p, v.dtype, acc, probs_dtype), v,
                      precision=precision, preferred_element_type=acc)
-    out = out.reshape(b, hq, lq, v.shape[-1]).astype(out_dtype)
-    lse = jnp.full((b, hq, lq), jnp.nan, jnp.float32)
-    return _from_bhld(out, params.seq_major), lse
+    return _from_bhld(out.reshape(b, hq, lq, v.shape[-1]).astype(out_dtype), params.seq_major)
 
 
 def _pv_operand(p, v_dtype, acc, probs_dtype):
