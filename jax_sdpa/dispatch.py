@@ -439,10 +439,9 @@ def _decode_pick(call: "_Call") -> Optional[str]:
                 tuning.CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS:
             return "cuda"
         if rows <= 4 and cfg.head_dim == cfg.head_dim_v:
-            if cfg.head_dim in (192, 256):
-                return "cuda" if big else "xla"
-            if big and cfg.head_dim in tuning.CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS:
-                return "cuda"
+            picks = tuning.CUDA_DECODE_FEW_ROWS.get(cfg.head_dim, (None, None))
+            if picks[0 if big else 1] is not None:
+                return picks[0 if big else 1]
         return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
             tuning.CUDA_DECODE_OVER_CUDNN_ROWS[1] else None
     if cfg.dtype == np.dtype(np.float32):
@@ -485,27 +484,29 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
     return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
 
 
-def _wide_backward_in_xla(cfg: Config, direction: str) -> bool:
-    """Whether `implementation=None` runs a 16-bit backward at head dims > 256 (which cuDNN
-    can't serve) as XLA's materialized backward rather than our flash backward: the row
-    XLA_WIDE_BWD_MAX_SCORE_BYTES of jax_sdpa/tuning.py."""
-    return (direction == "bwd" and not cfg.is_decode
-            and cfg.dtype != np.dtype(np.float32)
+def _wide_in_xla_bounds(cfg: Config) -> bool:
+    """A 16-bit prefill call at head dims > 256 (which cuDNN can't serve) within the score
+    budget of XLA's materialized form, XLA_WIDE_BWD_MAX_SCORE_BYTES: where the two rows
+    below may run it in XLA."""
+    return (not cfg.is_decode and cfg.dtype != np.dtype(np.float32)
             and max(cfg.head_dim, cfg.head_dim_v) > 256
             and cfg.score_bytes <= tuning.XLA_WIDE_BWD_MAX_SCORE_BYTES)
+
+
+def _wide_backward_in_xla(cfg: Config, direction: str) -> bool:
+    """Whether `implementation=None` runs such a backward as XLA's materialized backward
+    rather than our flash backward: the row XLA_WIDE_BWD_MAX_SCORE_BYTES of
+    jax_sdpa/tuning.py."""
+    return direction == "bwd" and _wide_in_xla_bounds(cfg)
 
 
 def _wide_forward_in_xla(cfg: Config, direction: str) -> bool:
-    """Whether `implementation=None` runs a 16-bit forward at head dims > 256 with no band
-    (not causal, no window) as XLA's materialized forward rather than our flash forward:
-    the row XLA_WIDE_FWD_UNBANDED of jax_sdpa/tuning.py (bounded by the backward's score
-    budget, XLA_WIDE_BWD_MAX_SCORE_BYTES)."""
+    """Whether `implementation=None` runs such a forward with no band (not causal, no
+    window) and no contract feature as XLA's materialized forward rather than our flash
+    forward: the row XLA_WIDE_FWD_UNBANDED of jax_sdpa/tuning.py."""
     p = cfg.params
-    return (tuning.XLA_WIDE_FWD_UNBANDED and direction == "fwd" and not cfg.is_decode
-            and cfg.dtype != np.dtype(np.float32)
-            and max(cfg.head_dim, cfg.head_dim_v) > 256
-            and p.window_left < 0 and p.window_right < 0 and not cfg.features
-            and cfg.score_bytes <= tuning.XLA_WIDE_BWD_MAX_SCORE_BYTES)
+    return (tuning.XLA_WIDE_FWD_UNBANDED and direction == "fwd" and _wide_in_xla_bounds(cfg)
+            and p.window_left < 0 and p.window_right < 0 and not cfg.features)
 
 
 def _preference(call: "_Call"):

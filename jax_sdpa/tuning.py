@@ -31,18 +31,21 @@ ROWS = {
         "kv head (cuDNN re-reads K/V per query head once Lq > 1): B8 H32/KV8 Lk4096 D128 "
         "2.2x at R 8, 1.8x at 16, 1.2x at 32, 0.94x at 64",
         "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
-    "CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS": Row(
-        (128,),
-        "where cuDNN serves a 16-bit decode call with R <= 4 query rows per kv head and at "
-        "least CUDA_DECODE_MIN_KV_BYTES of K + V, our decode kernel at these head dims "
-        "(D = Dv): B8 H32/KV8 Lk8192 D128 3804 vs 3524 GB/s for our cuDNN graph, B1 "
-        "Lk32768 3048 vs 2797, B64 Lk2048 4079 vs 4030; at D64 (B8 Lk8192) cuDNN stays "
-        "ahead, 3019 vs 2215",
-        "benchmarks/results/h200/peers_decode.json"),
+    "CUDA_DECODE_FEW_ROWS": Row(
+        {128: ("cuda", None), 192: ("cuda", "xla"), 256: ("cuda", "xla")},
+        "where cuDNN serves a 16-bit decode call with R <= 4 query rows per kv head and "
+        "D = Dv: head dim -> (what runs it from CUDA_DECODE_MIN_KV_BYTES of K + V, what runs "
+        "it below), None for cuDNN; other head dims cuDNN. D128: our decode kernel B8 "
+        "H32/KV8 Lk8192 3804 vs 3524 GB/s for our cuDNN graph, B1 Lk32768 3048 vs 2797, B64 "
+        "Lk2048 4079 vs 4030; at D64 (B8 Lk8192) cuDNN stays ahead, 3019 vs 2215. D192 / "
+        "D256: cuDNN was the slowest at 10 of 12 measured points, our decode kernel ahead "
+        "from CUDA_DECODE_MIN_KV_BYTES, our XLA path below",
+        "benchmarks/results/h200/peers_decode.json, "
+        "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
     "CUDA_DECODE_MIN_KV_BYTES": Row(
         32 << 20,
         "16-bit decode at D <= 256 that cuDNN can't serve (sinks before cuDNN 9.13, ...), "
-        "and plain decode (R <= 4) at D = Dv in {192, 256}: our decode kernel from this many "
+        "and plain decode (R <= 4, CUDA_DECODE_FEW_ROWS): our decode kernel from this many "
         "bytes of K + V (1.0-1.41x cuDNN or XLA on the measured rows), our XLA path below",
         "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
     "CUDA_DECODE_WIDE_MIN_KV_BYTES": Row(
@@ -113,6 +116,14 @@ ROWS = {
         "backward) 81 ms against 117 for ours both ways; the materialized XLA path ran "
         "12.7 / 23.9 ms from 8.6 GB of scores, past XLA_CHUNKED_SCORE_BYTES",
         "benchmarks/results/h200/peers_features.json"),
+    "CUDNN_SEGMENT_MASK_MAX_BYTES": Row(
+        1 << 30,
+        "16-bit prefill with segment ids (packed sequences) and no mask of its own: our "
+        "cuDNN graphs with the ids as a dense [B, 1, Lq, Lk] additive mask, up to this many "
+        "bytes of mask; above it our CUDA flash kernels (CUDA_FLASH_FOR_FEATURES). Packed "
+        "B2 H32/KV8 L8192 D128 causal, 8 segments: our flash kernels 7.3 / 40.6 ms fwd / "
+        "fwd+bwd, jax.nn's cuDNN with the same mask as a bool array 3.6 / 16.1 ms",
+        "benchmarks/results/h200/peers_features.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
@@ -122,8 +133,9 @@ ROWS = {
 }
 
 XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
+CUDNN_SEGMENT_MASK_MAX_BYTES = ROWS["CUDNN_SEGMENT_MASK_MAX_BYTES"].value
 CUDA_DECODE_OVER_CUDNN_ROWS = ROWS["CUDA_DECODE_OVER_CUDNN_ROWS"].value
-CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS = ROWS["CUDA_DECODE_FEW_ROWS_OVER_CUDNN_DIMS"].value
+CUDA_DECODE_FEW_ROWS = ROWS["CUDA_DECODE_FEW_ROWS"].value
 CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
