@@ -23,7 +23,8 @@ from typing import Optional
 import numpy as np
 
 from jax_sdpa import _ext, tuning
-from jax_sdpa.config import FP32_PRECISION_HIGHEST, MASK_BOOL, MASK_NONE, Config
+from jax_sdpa.config import (FP32_PRECISION_HIGHEST, MASK_ADDITIVE, MASK_BOOL, MASK_NONE,
+                             Config)
 
 IMPLEMENTATIONS = ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked")
 FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "metal": "cpu", "cpu": "cpu"}
@@ -174,10 +175,30 @@ def cudnn_header_version() -> int:
     return -1 if native is None else int(native.cudnn_compiled_version())
 
 
+def segments_as_mask(cfg: Config) -> Optional[Config]:
+    """The call with its segment ids as a dense additive mask [B, 1, Lq, Lk] of the input
+    dtype (0 where the ids match, -inf elsewhere): how our cuDNN graphs serve packed
+    sequences (the lowering builds that mask from the ids). None when the call has no
+    segment ids, has a mask of its own, or the mask would exceed
+    tuning.CUDNN_SEGMENT_MASK_MAX_BYTES."""
+    if not cfg.has_segment_ids or cfg.mask_kind != MASK_NONE:
+        return None
+    if cfg.batch * cfg.len_q * cfg.len_kv * cfg.dtype.itemsize > \
+            tuning.CUDNN_SEGMENT_MASK_MAX_BYTES:
+        return None
+    return dataclasses.replace(cfg, has_segment_ids=False, mask_kind=MASK_ADDITIVE,
+                               mask_shape=(cfg.batch, 1, cfg.len_q, cfg.len_kv),
+                               mask_dtype=cfg.dtype)
+
+
 def _supports_cudnn(call: "_Call") -> Verdict:
     """What our cuDNN graphs (cuda/cudnn/cudnn_sdpa.cc) serve; cuDNN's own support check
-    still runs when the graph is built and its message is raised if it refuses."""
+    still runs when the graph is built and its message is raised if it refuses. Segment
+    ids are served as the mask `segments_as_mask` describes."""
     cfg, direction = call.cfg, call.direction
+    if cfg.has_segment_ids and (masked := segments_as_mask(cfg)) is not None:
+        ok, reason = _Call(masked, direction, call.platform).cudnn
+        return (ok, f"segment ids as a [B, 1, Lq, Lk] mask; {reason}") if ok else (ok, reason)
     if (r := _platform_check("cudnn", call.platform)) is not None:
         return r
     native = _native()
@@ -556,6 +577,8 @@ class Plan:
     reason: str
     # the pure-JAX ones: the dtype P and dS take into their matmuls (None: float32)
     probs_dtype: Optional[str] = None
+    # cuDNN with segment ids: the lowering passes them as the mask `segments_as_mask` says
+    segments_as_mask: bool = False
 
 
 def _choose(call: "_Call", implementation: Optional[str]) -> str:
@@ -593,7 +616,8 @@ def plan(cfg: Config, platform: str, direction: str = "fwd",
     if name in ("xla", "xla_chunked"):
         return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
     target = _target(call, name)
-    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason)
+    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason,
+                segments_as_mask=name == "cudnn" and cfg.has_segment_ids)
 
 
 def choose(cfg: Config, platform: str, direction: str = "fwd",

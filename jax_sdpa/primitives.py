@@ -241,12 +241,34 @@ def _lower(direction, platform):
                            probs_dtype=plan.probs_dtype)
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        if plan.segments_as_mask:
+            return _lower_segments_as_mask(ctx, plan.target, n_fixed, args, flags, params)
         attrs = _ffi_attrs(params, flags)
         if plan.workspace_bytes:
             return _lower_with_workspace(ctx, plan.target, args, attrs, plan.workspace_bytes)
         return jax.ffi.ffi_lowering(plan.target)(ctx, *args, **attrs)
 
     return rule
+
+
+def _lower_segments_as_mask(ctx, target, n_fixed, args, flags, params):
+    """The custom call with the segment ids passed as the additive mask [B, 1, Lq, Lk] of
+    dispatch.segments_as_mask (0 where q_segment_ids[b, i] == kv_segment_ids[b, j], -inf
+    elsewhere; the call has no mask of its own), built in XLA next to the call."""
+    ids_at = OPTIONAL.index("q_segment_ids")
+    masked_flags = dict(flags, has_mask=True, has_segment_ids=False)
+    attrs = _ffi_attrs(params, masked_flags)
+    results = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out]
+
+    def fn(*a):
+        fixed, optional = a[:n_fixed], list(a[n_fixed:])
+        q_ids, kv_ids = optional[ids_at], optional[ids_at + 1]
+        same = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+        optional[OPTIONAL.index("mask")] = jnp.where(same, 0.0, -jnp.inf).astype(fixed[0].dtype)
+        optional[ids_at] = optional[ids_at + 1] = _placeholder(jnp.int32)
+        return jax.ffi.ffi_call(target, results)(*fixed, *optional, **attrs)
+
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
 def _lower_with_workspace(ctx, target, args, attrs, workspace_bytes):

@@ -120,10 +120,12 @@ ROWS = {
         1 << 30,
         "16-bit prefill with segment ids (packed sequences) and no mask of its own: our "
         "cuDNN graphs with the ids as a dense [B, 1, Lq, Lk] additive mask, up to this many "
-        "bytes of mask; above it our CUDA flash kernels (CUDA_FLASH_FOR_FEATURES). Packed "
-        "B2 H32/KV8 L8192 D128 causal, 8 segments: our flash kernels 7.3 / 40.6 ms fwd / "
-        "fwd+bwd, jax.nn's cuDNN with the same mask as a bool array 3.6 / 16.1 ms",
-        "benchmarks/results/h200/peers_features.json"),
+        "bytes of mask (a memory bound); above it our CUDA flash kernels "
+        "(CUDA_FLASH_FOR_FEATURES). Packed B2 H32/KV8 L8192 D128 causal, 8 segments: "
+        "with this row None 3.63 / 16.0 ms fwd / fwd+bwd, our flash kernels 7.03 / 39.9, "
+        "jax.nn's cuDNN with the same mask as a bool array 3.68 / 16.1 (flash-attn3-jax's "
+        "varlen call, which is told the segment boundaries, 0.44 / 1.51)",
+        "benchmarks/results/h200/peers_packed.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "

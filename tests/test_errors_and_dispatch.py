@@ -370,15 +370,14 @@ def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
 
 
 @pytest.mark.parametrize("features, direction, chosen", [
-    (("segment_ids",), "fwd", "cuda"), (("segment_ids",), "bwd", "cuda"),
     (("logits_soft_cap",), "fwd", "cuda"), (("logits_soft_cap",), "bwd", "xla"),
     (("segment_ids", "logits_soft_cap"), "fwd", "cuda"),
     (("segment_ids", "logits_soft_cap"), "bwd", "xla"),
 ])
 def test_features_cudnn_does_not_serve(fake_h200, features, direction, chosen):
-    """16-bit prefill with segment ids or a soft cap (cuDNN serves neither): our flash
-    kernels in the directions CUDA_FLASH_FOR_FEATURES lists for every feature used, our XLA
-    path otherwise."""
+    """16-bit prefill with a soft cap (cuDNN serves none): our flash kernels in the
+    directions CUDA_FLASH_FOR_FEATURES lists for every feature used, our XLA path
+    otherwise."""
     import dataclasses
     dispatch = fake_h200
     cap = 30.0 if "logits_soft_cap" in features else 0.0
@@ -388,6 +387,65 @@ def test_features_cudnn_does_not_serve(fake_h200, features, direction, chosen):
     assert not dispatch.supports_cudnn(cfg, direction, "cuda")[0]
     got = dispatch.choose(cfg, "cuda", direction)
     assert got == chosen, (got, dispatch.explain_choice(cfg, "cuda", direction))
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_segment_ids_run_cudnn_as_a_mask(fake_h200, monkeypatch, direction):
+    """16-bit prefill with segment ids and no mask of its own: our cuDNN graphs with the ids
+    as a [B, 1, Lq, Lk] mask, up to CUDNN_SEGMENT_MASK_MAX_BYTES of it; with a mask of the
+    call's own, or past that size, our flash kernels."""
+    import dataclasses
+
+    from jax_sdpa import tuning
+    from jax_sdpa.config import MASK_ADDITIVE
+    dispatch = fake_h200
+    cfg = dataclasses.replace(_cfg(dtype="bfloat16", d=128, window_right=0),
+                              has_segment_ids=True)
+    masked = dispatch.segments_as_mask(cfg)
+    assert (masked.mask_kind, masked.mask_shape, masked.mask_dtype, masked.has_segment_ids) \
+        == (MASK_ADDITIVE, (2, 1, 256, 256), cfg.dtype, False)
+    plan = dispatch.plan(cfg, "cuda", direction)
+    assert (plan.implementation, plan.segments_as_mask) == ("cudnn", True), plan
+    assert "segment ids as a [B, 1, Lq, Lk] mask" in plan.reason
+    assert dispatch.plan(cfg, "cuda", direction, "cudnn").segments_as_mask
+    own_mask = dataclasses.replace(cfg, mask_kind=MASK_ADDITIVE, mask_shape=(2, 1, 256, 256),
+                                   mask_dtype=cfg.dtype)
+    assert dispatch.segments_as_mask(own_mask) is None
+    assert dispatch.choose(own_mask, "cuda", direction) == "cuda"
+    monkeypatch.setattr(tuning, "CUDNN_SEGMENT_MASK_MAX_BYTES", 2 * 256 * 256 * 2 - 1)
+    assert dispatch.segments_as_mask(cfg) is None
+    assert dispatch.choose(cfg, "cuda", direction) == "cuda"
+    with pytest.raises(NotImplementedError, match="segment ids"):
+        dispatch.plan(cfg, "cuda", direction, "cudnn")
+
+
+def test_segment_ids_lower_to_cudnn_with_their_mask(fake_h200):
+    """Exported for the cuda platform: the cuDNN custom calls of a packed call take the mask
+    built from the ids ([B, 1, Lq, Lk] of the input dtype) with has_mask set and
+    has_segment_ids clear, forward and backward (the forward keeps its lse: jax.nn's rules
+    for rows that see no key read it)."""
+    from jax import export
+    targets = ("jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_fwd_no_lse", "jax_sdpa_cudnn_bwd")
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    s = jax.ShapeDtypeStruct
+    x, ids = s((2, 128, 4, 64), jnp.bfloat16), s((2, 128), jnp.int32)
+
+    def loss(q, k, v, ids):
+        return jnp.sum(jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
+                                                      q_segment_ids=ids).astype(jnp.float32))
+
+    for fn, want in ((lambda q, k, v, ids: jax_sdpa.dot_product_attention(
+            q, k, v, q_segment_ids=ids), ["jax_sdpa_cudnn_fwd"]),
+                     (jax.grad(loss, argnums=(0, 1, 2)),
+                      ["jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"])):
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            x, x, x, ids)
+        lines = _custom_calls(exp.mlir_module())
+        assert [line.split("@")[1].split("(")[0] for line in lines] == want
+        for line in lines:
+            assert re.search(r"has_mask = true", line) and \
+                re.search(r"has_segment_ids = false", line), line
+            assert "tensor<2x1x128x128xbf16>" in line, line
 
 
 def test_decode_where_cudnn_cannot_serve(fake_h200, monkeypatch):

@@ -291,6 +291,49 @@ def test_window_in_mlx_entry_composes_with_sinks(impl, rng):
         assert max_rel_error(out, want) <= fp32_rtol(impl), (window, mask)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("segments", ["sorted", "singletons", "cross"])
+def test_cudnn_serves_segment_ids_as_a_mask(causal, segments, rng):
+    """16-bit segment ids on cuDNN (the ids become a [B, 1, Lq, Lk] -inf mask in the
+    lowering): forward and grads against jax.nn's xla with the equivalent bool mask in
+    float32 on the same bf16 inputs, within the bf16 tolerance policy; None picks it."""
+    if "cudnn" not in implementations_here():
+        pytest.skip("no cuDNN here")
+    b, t, n, kh, h = 2, 77, 4, 2, 64
+    s = t if segments != "cross" else 93
+    q_ids, kv_ids = _segment_ids(Case("x", b=b, lq=t, lk=s, segments=segments), rng)
+    dense = jnp.asarray(_dense_segment_mask(q_ids, kv_ids))
+    q, k, v, dout = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in
+                     ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h)))
+
+    def ours(impl):
+        return lambda q, k, v: jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+            implementation=impl)
+
+    def jax_nn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=dense, is_causal=causal,
+                                            implementation="xla")
+
+    def run(fn, *args):
+        out, pull = jax.vjp(fn, *args)
+        return (out, *pull(dout.astype(out.dtype)))
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        want = run(jax_nn, *f32)
+    same_dtype = run(jax_nn, q, k, v)
+    assert jax_sdpa.explain(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
+                            q_segment_ids=q_ids, kv_segment_ids=kv_ids).chosen == "cudnn"
+    for impl in ("cudnn", None):
+        got = run(ours(impl), q, k, v)
+        for g, w, x, name in zip(got, want, same_dtype, ("out", "dq", "dk", "dv")):
+            tol = oracle.tolerance("bfloat16", xla_error=max_rel_error(x, w))
+            err = max_rel_error(g, w)
+            assert err <= tol, f"{impl} {name} {err:.3g} > {tol:.3g}"
+
+
 # ---------------------------------------------------------------------------
 # dispatch: refusals name the feature; implementation=None never fails for want of it
 
@@ -298,11 +341,11 @@ def test_window_in_mlx_entry_composes_with_sinks(impl, rng):
                                   if i not in ("xla", "xla_chunked")])
 @pytest.mark.parametrize("feature", ["segment_ids", "logits_soft_cap"])
 def test_unserved_feature_is_refused_by_name(impl, feature, rng):
-    if feature in _ext.served_features(_targets(impl, "fwd")[0]):
-        pytest.skip(f"{impl} serves {feature}")
     q = jnp.zeros((1, 2, 8, 32), jnp.bfloat16 if impl == "cudnn" else jnp.float32)
     kw = ({"q_segment_ids": jnp.zeros((1, 8), jnp.int32)} if feature == "segment_ids"
           else {"logits_soft_cap": 10.0})
+    if jax_sdpa.explain(q, q, q, **kw).verdicts[impl][0]:  # its target, or cuDNN's mask
+        pytest.skip(f"{impl} serves {feature}")
     text = "segment ids" if feature == "segment_ids" else "logits_soft_cap"
     with pytest.raises(NotImplementedError, match=text):
         jax_sdpa.scaled_dot_product_attention(q, q, q, implementation=impl, **kw)
