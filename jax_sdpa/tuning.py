@@ -49,11 +49,14 @@ ROWS = {
         "bytes of K + V (1.0-1.41x cuDNN or XLA on the measured rows), our XLA path below",
         "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
     "CUDA_DECODE_WIDE_MIN_KV_BYTES": Row(
-        64 << 20,
+        512 << 20,
         "16-bit decode at head dims > 256 (decode_wide_tma_kernel): ours from this many bytes "
-        "of K + V (1.02-1.12x our XLA path from B1 H32/KV4 Lk8192 up), our XLA path below "
-        "(mixed: 0.85-1.15x)",
-        "benchmarks/results/h200/decode_crossover.json"),
+        "of K + V, our XLA path below. D512 bf16 H32/KV8, R = 4: ours 1.04-1.08x our XLA "
+        "path from 512 MiB (B32 Lk1024 142.7 vs 148.5 us, B8 Lk8192 265.8 vs 285.9), 0.96-0.98x "
+        "at 128-256 MiB (B1 Lk8192 44.8 vs 43.3 us, B8 Lk2048 78.1 vs 76.2); B1 H32/KV4 "
+        "Lk8192 (64 MiB) ours 2125 GB/s, our XLA path 2612, jax.nn's 2532 (peers_d512.json)",
+        "benchmarks/results/h200/decode_crossover_d512.json, "
+        "benchmarks/results/h200/peers_d512.json"),
     "CUDA_DECODE_WIDE_MAX_ROWS": Row(
         8,
         "... and at most this many query rows per kv head: 16 and 32 rows re-read K/V per "

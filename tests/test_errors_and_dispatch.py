@@ -332,7 +332,9 @@ def test_cuda_explain_names_kernel_and_precision(fake_h200):
     # 16-bit D512: ours from CUDA_DECODE_WIDE_MIN_KV_BYTES at <= 8 rows per kv head, else
     # our XLA path
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=8192, d=512), "fwd", "cuda"),  # 1 GiB
-    (dict(dtype="bfloat16", b=1, hq=32, hk=4, lq=1, lk=8192, d=512), "fwd", "cuda"),  # 64 MiB
+    (dict(dtype="bfloat16", b=1, hq=32, hk=4, lq=1, lk=8192, d=512), "fwd", "xla"),  # 64 MiB
+    (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=1, lk=2048, d=512), "fwd", "xla"),  # 256 MiB
+    (dict(dtype="bfloat16", b=32, hq=32, hk=8, lq=1, lk=1024, d=512), "fwd", "cuda"),  # 512
     (dict(dtype="float16", b=1, hq=32, hk=4, lq=1, lk=1024, d=512), "fwd", "xla"),  # 8 MiB
     (dict(dtype="bfloat16", b=1, hq=32, hk=8, lq=1, lk=2048, d=512), "fwd", "xla"),  # 32 MiB
     (dict(dtype="bfloat16", b=8, hq=32, hk=8, lq=2, lk=4096, d=512), "fwd", "cuda"),  # R=8
