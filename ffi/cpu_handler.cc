@@ -75,16 +75,15 @@ ffi::Error CpuPagedFwd(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer 
 }  // namespace
 }  // namespace jax_sdpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_fwd, jax_sdpa::CpuFwd,
-                              jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cpu_fwd, jax_sdpa::CpuFwd,
+                           jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()),
+                           jax_sdpa::kServedFeatures);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_bwd, jax_sdpa::CpuBwd,
-                              jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cpu_bwd, jax_sdpa::CpuBwd,
+                           jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()),
+                           jax_sdpa::kServedFeatures);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_cpu_paged_fwd, jax_sdpa::CpuPagedFwd,
-                              jax_sdpa::bind_sdpa_paged_fwd(xla::ffi::Ffi::Bind()));
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cpu_paged_fwd, jax_sdpa::CpuPagedFwd,
+                           jax_sdpa::bind_sdpa_paged_fwd(xla::ffi::Ffi::Bind()),
+                           jax_sdpa::kPagedServedFeatures);
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_fwd", jax_sdpa_cpu_fwd, jax_sdpa::kServedFeatures);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_bwd", jax_sdpa_cpu_bwd, jax_sdpa::kServedFeatures);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cpu_paged_fwd", jax_sdpa_cpu_paged_fwd,
-                             jax_sdpa::kPagedServedFeatures);

@@ -153,19 +153,14 @@ ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 }  // namespace
 }  // namespace jax_sdpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_fwd, jax_sdpa::CudaFwdImpl,
     jax_sdpa::bind_decode_fwd(
         xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    jax_sdpa::kServedFeatures, {xla::ffi::Traits::kCmdBufferCompatible});
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_fwd", jax_sdpa_cuda_fwd,
-                             jax_sdpa::kServedFeatures);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_paged_fwd, jax_sdpa::CudaPagedFwdImpl,
     jax_sdpa::bind_paged_fwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    jax_sdpa::kPagedServedFeatures, {xla::ffi::Traits::kCmdBufferCompatible});
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_paged_fwd", jax_sdpa_cuda_paged_fwd,
-                             jax_sdpa::kPagedServedFeatures);

@@ -119,19 +119,16 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
 }  // namespace
 }  // namespace jax_sdpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_flash_fwd, jax_sdpa::CudaFlashFwdImpl,
     jax_sdpa::bind_sdpa_fwd(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    jax_sdpa::kServedFeatures);
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_fwd", jax_sdpa_cuda_flash_fwd,
-                             jax_sdpa::kServedFeatures);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_flash_bwd, jax_sdpa::CudaFlashBwdImpl,
     jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()
                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<xla::ffi::ScratchAllocator>()));
+                                .Ctx<xla::ffi::ScratchAllocator>()),
+    jax_sdpa::kServedFeatures);
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cuda_flash_bwd", jax_sdpa_cuda_flash_bwd,
-                             jax_sdpa::kServedFeatures);

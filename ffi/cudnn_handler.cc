@@ -93,25 +93,24 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd<true>,
     jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()));
+                                  .Ctx<ffi::ScratchAllocator>()),
+    jax_sdpa::kServedFeatures);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cudnn_fwd_no_lse, jax_sdpa::CudnnFwd<false>,
     jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()));
+                                  .Ctx<ffi::ScratchAllocator>()),
+    jax_sdpa::kServedFeatures);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cudnn_bwd, jax_sdpa::CudnnBwd,
     jax_sdpa::bind_sdpa_bwd(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()));
+                                  .Ctx<ffi::ScratchAllocator>()),
+    jax_sdpa::kServedFeatures);
 
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd", jax_sdpa_cudnn_fwd, jax_sdpa::kServedFeatures);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_fwd_no_lse", jax_sdpa_cudnn_fwd_no_lse,
-                             jax_sdpa::kServedFeatures);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_cudnn_bwd", jax_sdpa_cudnn_bwd, jax_sdpa::kServedFeatures);

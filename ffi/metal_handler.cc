@@ -98,19 +98,17 @@ ffi::Error MetalPagedFwd(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffe
 }  // namespace
 }  // namespace jax_sdpa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_paged_fwd, jax_sdpa::MetalPagedFwd,
-                              jax_sdpa::bind_sdpa_paged_fwd(xla::ffi::Ffi::Bind()));
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_metal_paged_fwd, jax_sdpa::MetalPagedFwd,
+                           jax_sdpa::bind_sdpa_paged_fwd(xla::ffi::Ffi::Bind()),
+                           jax_sdpa::kPagedServedFeatures);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_fwd, jax_sdpa::MetalFwd,
-                              jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()));
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_metal_fwd, jax_sdpa::MetalFwd,
+                           jax_sdpa::bind_sdpa_fwd(xla::ffi::Ffi::Bind()),
+                           jax_sdpa::kServedFeatures);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_sdpa_metal_bwd, jax_sdpa::MetalBwd,
-                              jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()));
-
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_fwd", jax_sdpa_metal_fwd, jax_sdpa::kServedFeatures);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_bwd", jax_sdpa_metal_bwd, jax_sdpa::kServedFeatures);
-JAX_SDPA_REGISTER_FFI_TARGET("jax_sdpa_metal_paged_fwd", jax_sdpa_metal_paged_fwd,
-                             jax_sdpa::kPagedServedFeatures);
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_metal_bwd, jax_sdpa::MetalBwd,
+                           jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()),
+                           jax_sdpa::kServedFeatures);
 
 NB_MODULE(_sdpa_metal, m) {
   m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";
