@@ -374,10 +374,10 @@ void pack_kv_pairs(const uint16_t* const* krow, const uint16_t* const* vrow, int
                    int64_t D, int64_t Dv, uint32_t* Kp, uint32_t* Vp) {
   const int64_t D2 = (D + 1) / 2;
   for (int64_t j = 0; j < jn; ++j) {
-    uint16_t* kd = reinterpret_cast<uint16_t*>(Kp + j * D2);
+    uint32_t* kd = Kp + j * D2;
     if (krow[j]) {
-      memcpy(kd, krow[j], D * sizeof(uint16_t));
-      if (D % 2) kd[D] = 0;
+      memcpy(kd, krow[j], D / 2 * sizeof(uint32_t));
+      if (D % 2) kd[D2 - 1] = krow[j][D - 1];
     } else {
       memset(kd, 0, D2 * sizeof(uint32_t));
     }
