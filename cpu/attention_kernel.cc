@@ -284,7 +284,8 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs, int64_t k
 // [keys/2][Dv] pairs, P rounded to bf16 [keys/2][np] pairs; the softmax sums use P unrounded,
 // as GPU flash kernels do). The instruction treats bf16 subnormals as 0.
 #if defined(__AVX512BF16__)
-constexpr bool kBf16Dot = true;
+// Whether this call's forward products take the bf16 GEMM (non-narrow tiles).
+inline bool bf16_products(const SdpaParams& p) { return p.dtype == DType::kBF16; }
 
 // C[r][x] (+)= sum_k dot2(A[r * rs + k * ks], B[k * ldb + x]), r < M_, x < N_ * W: A and B
 // hold pairs of bf16 as 32-bit words.
@@ -397,11 +398,7 @@ void pack_kv_pairs(const uint16_t* const* krow, const uint16_t* const* vrow, int
     }
   }
 }
-#else
-constexpr bool kBf16Dot = false;
-#endif
-// Whether this call's forward products take the bf16 GEMM.
-inline bool bf16_products(const SdpaParams& p) { return kBf16Dot && p.dtype == DType::kBF16; }
+#endif  // __AVX512BF16__
 
 // ---- scratch --------------------------------------------------------------------
 // One aligned block per participant, carved into float arrays.
