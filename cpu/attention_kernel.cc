@@ -368,21 +368,21 @@ void pack_q_pairs(const float* Qt, int64_t D, int64_t np, uint32_t* Qp) {
     }
 }
 
-// A block's keys as bf16 pairs: Kp[j][D2] pairs along d (an odd D's last pair zero-padded),
-// Vp[q][Dv] pairs along keys (V rows 2q, 2q+1; an odd block's last partner zero). Hidden keys
-// (null rows) are zero: their P is 0.
+// A bf16 row of n as (n + 1) / 2 pairs, an odd n's last pair zero-padded; null: zeros.
+void pack_row_pairs(const uint16_t* row, int64_t n, uint32_t* dst) {
+  if (!row) {
+    memset(dst, 0, (n + 1) / 2 * sizeof(uint32_t));
+    return;
+  }
+  memcpy(dst, row, n / 2 * sizeof(uint32_t));
+  if (n % 2) dst[n / 2] = row[n - 1];
+}
+
+// A block's keys as bf16 pairs: Kp[j][D2] pairs along d, Vp[q][Dv] pairs along keys (V rows
+// 2q, 2q+1; an odd block's last partner zero). Hidden keys (null rows) are zero: their P is 0.
 void pack_kv_pairs(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t jn,
                    int64_t D, int64_t Dv, uint32_t* Kp, uint32_t* Vp) {
-  const int64_t D2 = (D + 1) / 2;
-  for (int64_t j = 0; j < jn; ++j) {
-    uint32_t* kd = Kp + j * D2;
-    if (krow[j]) {
-      memcpy(kd, krow[j], D / 2 * sizeof(uint32_t));
-      if (D % 2) kd[D2 - 1] = krow[j][D - 1];
-    } else {
-      memset(kd, 0, D2 * sizeof(uint32_t));
-    }
-  }
+  for (int64_t j = 0; j < jn; ++j) pack_row_pairs(krow[j], D, Kp + j * ((D + 1) / 2));
   for (int64_t q = 0; 2 * q < jn; ++q) {
     const uint16_t* a = vrow[2 * q];
     const uint16_t* b = 2 * q + 1 < jn ? vrow[2 * q + 1] : nullptr;
@@ -1205,6 +1205,12 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   float* lse_use = cv.floats(kBq);
   float* delta = cv.floats(kBq);
   float* tmp = cv.floats(2 * max64(Dp, Dvp));
+  // bf16 pairs along d of K, V (the chunk's) and Q, dO (the tile's) for S^T and dP^T: both
+  // products of inputs, exact in float32 (bf16_products).
+  uint32_t* Kpc = reinterpret_cast<uint32_t*>(cv.floats(ctx.chunk * pair_words(D)));
+  uint32_t* Vpc = reinterpret_cast<uint32_t*>(cv.floats(ctx.chunk * pair_words(Dv)));
+  uint32_t* Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
+  uint32_t* dOp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(Dv) * kBq));
 
   const int64_t kbase = b * p.k_stride[0] + hk * p.k_stride[1];
   const int64_t vbase = b * p.v_stride[0] + hk * p.v_stride[1];
@@ -1216,6 +1222,19 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     load_row(buf.k, p.dtype, kbase + j * p.k_stride[2], D, Kc + (j - k0) * Dp);
     load_row(buf.v, p.dtype, vbase + j * p.v_stride[2], Dv, Vc + (j - k0) * Dvp);
   }
+#if defined(__AVX512BF16__)
+  const bool bf16 = bf16_products(p);
+  if (bf16)
+    for (int64_t j = k0; j < k1; ++j) {
+      const bool live = j < k1e;
+      pack_row_pairs(live ? static_cast<const uint16_t*>(buf.k) + kbase + j * p.k_stride[2]
+                          : nullptr, D, Kpc + (j - k0) * pair_words(D));
+      pack_row_pairs(live ? static_cast<const uint16_t*>(buf.v) + vbase + j * p.v_stride[2]
+                          : nullptr, Dv, Vpc + (j - k0) * pair_words(Dv));
+    }
+#else
+  (void)Kpc, (void)Vpc, (void)Qp, (void)dOp;
+#endif
   float* dqp = ctx.dq_part + ((ch * p.batch + b) * p.heads_kv + hk) * (p.len_q * G) * Dp;
 
   const int64_t rows = qlen * G;
@@ -1229,6 +1248,12 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     const int64_t np = t.np;
     pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, Dp, tmp);
     pack_rows(p, t, buf.dout, p.o_stride, Dv, dOt, dOr, Dvp, tmp);
+#if defined(__AVX512BF16__)
+    if (bf16) {
+      pack_q_pairs(Qt, D, np, Qp);
+      pack_q_pairs(dOt, Dv, np, dOp);
+    }
+#endif
     for (int64_t c = 0; c < np; ++c) {
       lse_use[c] = INFINITY;  // exp(s - inf) = 0: no probability for this column
       delta[c] = 0.0f;
@@ -1248,9 +1273,20 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       if (seg == SegCover::kNone) continue;
       const float* kb = Kc + (j0 - k0) * Dp;
       const float* vb = Vc + (j0 - k0) * Dvp;
-      gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
-      scale_and_mask(p, t, j0, jn, St, seg, dcap);
-      gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        gemm_bf16(jn, np, pair_words(D), Kpc + (j0 - k0) * pair_words(D), pair_words(D), 1, Qp,
+                  np, St, np, false);
+        scale_and_mask(p, t, j0, jn, St, seg, dcap);
+        gemm_bf16(jn, np, pair_words(Dv), Vpc + (j0 - k0) * pair_words(Dv), pair_words(Dv), 1,
+                  dOp, np, dPt, np, false);
+      } else
+#endif
+      {
+        gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
+        scale_and_mask(p, t, j0, jn, St, seg, dcap);
+        gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
+      }
       for (int64_t j = 0; j < jn; ++j)
         for (int64_t c0 = 0; c0 < np; c0 += W) {
           // P <= 1: the recomputed score can round above the forward's max near 1e30.
@@ -1436,7 +1472,9 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
                2 * floats_bytes(ctx.chunk * Dvp) + floats_bytes(D * kBq) +
                floats_bytes(kBq * Dp) + floats_bytes(Dv * kBq) + floats_bytes(kBq * Dvp) +
                2 * floats_bytes(kBk * kBq) + 2 * floats_bytes(kBq) +
-               floats_bytes(2 * max64(Dp, Dvp));
+               floats_bytes(2 * max64(Dp, Dvp)) + floats_bytes(ctx.chunk * pair_words(D)) +
+               floats_bytes(ctx.chunk * pair_words(Dv)) + floats_bytes(pair_words(D) * kBq) +
+               floats_bytes(pair_words(Dv) * kBq);
   if (!arena_alloc(&ctx.arena, per, parts)) {
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (backward scratch)";

@@ -481,7 +481,7 @@ BF16_SHAPES = [  # b, hq, hk, lq, lk, d, dv: prefill-shaped tiles (more than 8 r
 @pytest.mark.parametrize("case", ["plain", "causal", "mask", "segments", "softcap"])
 @pytest.mark.parametrize("shape", BF16_SHAPES,
                          ids=lambda s: "b{}h{}k{}q{}k{}d{}v{}".format(*s))
-def test_bf16_forward_matches_float64(shape, case, rng):
+def test_bf16_forward_and_backward_match_float64(shape, case, rng):
     b, hq, hk, lq, lk, d, dv = shape
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     q, k, v = (np.asarray(bf(_normal(rng, *s)).astype(jnp.float32))
@@ -515,3 +515,10 @@ def test_bf16_forward_matches_float64(shape, case, rng):
     fin = np.isfinite(want_lse)
     np.testing.assert_array_equal(np.isfinite(lse), fin)
     np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-4)
+    # The backward (S^T and dP^T by bf16 pairs) from our forward's outputs.
+    dout = np.asarray(bf(_normal(rng, *out.shape)).astype(jnp.float32))
+    grads = _call_bwd(bf(q), bf(k), bf(v), out, lse, bf(dout), **kw, **extra)
+    wg = oracle.backward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                         dout.astype(np.float64), **ow)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert _rel(g, wg[name]) <= 8e-3, name
