@@ -282,7 +282,9 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs, int64_t k
 // two products run here: S^T = K · Q^T with pairs along d (K rows as they are in memory,
 // Q^T packed [D/2][np] pairs), and O^T += V^T · P^T with pairs along keys (V packed
 // [keys/2][Dv] pairs, P rounded to bf16 [keys/2][np] pairs; the softmax sums use P unrounded,
-// as GPU flash kernels do). The instruction treats bf16 subnormals as 0.
+// as GPU flash kernels do). The backward's S^T and dP^T = V · dO^T (pairs along d, products of
+// inputs) run here too; its dV, dK, dQ would need P and dS rounded and stay float32. The
+// instruction treats bf16 subnormals as 0.
 #if defined(__AVX512BF16__)
 // Whether this call's forward products take the bf16 GEMM (non-narrow tiles).
 inline bool bf16_products(const SdpaParams& p) { return p.dtype == DType::kBF16; }
