@@ -19,10 +19,11 @@ struct Variant {
 
 Variant pick() {
 #if defined(JAX_SDPA_CPU_X86_VARIANTS)
-  int max_level = 4;
+  int max_level = 5;  // 5: v4 with AVX512-BF16
   if (const char* env = std::getenv("JAX_SDPA_CPU_ISA")) {
     if (!std::strcmp(env, "v2")) max_level = 2;
     if (!std::strcmp(env, "v3")) max_level = 3;
+    if (!std::strcmp(env, "v4")) max_level = 4;
   }
   __builtin_cpu_init();
   // The checks mirror what -march=x86-64-v4 / -v3 let the compiler use.
@@ -35,6 +36,10 @@ Variant pick() {
             __builtin_cpu_supports("avx");
   bool v2 = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("popcnt") &&
             __builtin_cpu_supports("ssse3");
+#if defined(JAX_SDPA_CPU_BF16_VARIANT)
+  if (v4 && max_level >= 5 && __builtin_cpu_supports("avx512bf16"))
+    return {"x86-64-v4-bf16", x86_64_v4_bf16::forward, x86_64_v4_bf16::backward};
+#endif
   if (v4 && max_level >= 4) return {"x86-64-v4", x86_64_v4::forward, x86_64_v4::backward};
   if (v3 && max_level >= 3) return {"x86-64-v3", x86_64_v3::forward, x86_64_v3::backward};
   if (v2) return {"x86-64-v2", x86_64_v2::forward, x86_64_v2::backward};

@@ -2,8 +2,9 @@
 //
 // Consumes the plain SdpaParams of ffi/sdpa_params.h; semantics are those of
 // docs/ffi_contract.md. The kernel is compiled once per x86-64 ISA level
-// (v2 = SSE4.2, v3 = AVX2+FMA, v4 = AVX-512) and the best one the running CPU
-// supports is picked at first use; other architectures get one generic build.
+// (v2 = SSE4.2, v3 = AVX2+FMA, v4 = AVX-512, v4-bf16 = AVX-512 + AVX512-BF16)
+// and the best one the running CPU supports is picked at first use; other
+// architectures get one generic build.
 #pragma once
 
 #include "ffi/sdpa_params.h"
@@ -15,7 +16,8 @@ namespace cpu {
 const char* sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& buf);
 const char* sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& buf);
 
-// The ISA variant in use ("x86-64-v4", "x86-64-v3", "x86-64-v2" or "generic").
+// The ISA variant in use ("x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2"
+// or "generic").
 // JAX_SDPA_CPU_ISA=v2|v3|v4 forces a lower level (for testing).
 const char* active_isa();
 

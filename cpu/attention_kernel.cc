@@ -63,7 +63,22 @@ inline vf loadv(const float* p) {
 }
 inline void storev(float* p, vf v) { memcpy(p, &v, sizeof v); }
 inline vf select(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+// a > b ? a : b (NaN b stays, NaN a gives b): what MAXPS computes, one instruction.
+#if defined(__AVX512F__)
+inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX__)
+inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#else
 inline vf vmax(vf a, vf b) { return select(a > b, a, b); }
+#endif
+// a < b ? a : b: MINPS.
+#if defined(__AVX512F__)
+inline vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX__)
+inline vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
+#else
+inline vf vmin(vf a, vf b) { return select(a < b, a, b); }
+#endif
 // min(x, 0) that keeps NaN (x > 0 is false for NaN).
 inline vf clamp_nonpositive(vf x) { return select(x > splat(0.0f), splat(0.0f), x); }
 
@@ -72,8 +87,7 @@ inline vf clamp_nonpositive(vf x) { return select(x > splat(0.0f), splat(0.0f), 
 inline vf vexp(vf x) {
   const vf lo = splat(-87.0f), hi = splat(88.0f);
   vi under = x < lo;
-  x = select(x > hi, hi, x);
-  x = select(under, lo, x);
+  x = vmax(lo, vmin(hi, x));  // NaN stays NaN
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   vf t = x * splat(1.44269504088896341f) + magic;
   vf n = t - magic;
@@ -260,6 +274,133 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs, int64_t k
     }
   }
 }
+
+// ---- bfloat16 products (AVX512-BF16) ---------------------------------------------
+// VDPBF16PS adds the two products of a pair of bfloat16s to each float32 lane, exactly
+// rounded products (bf16 * bf16 fits a float32), so a bf16 GEMM takes half the instructions
+// of the float32 one and needs no conversion of K and V to float32. The bfloat16 forward's
+// two products run here: S^T = K · Q^T with pairs along d (K rows as they are in memory,
+// Q^T packed [D/2][np] pairs), and O^T += V^T · P^T with pairs along keys (V packed
+// [keys/2][Dv] pairs, P rounded to bf16 [keys/2][np] pairs; the softmax sums use P unrounded,
+// as GPU flash kernels do). The backward's S^T and dP^T = V · dO^T (pairs along d, products of
+// inputs) run here too; its dV, dK, dQ would need P and dS rounded and stay float32. The
+// instruction treats bf16 subnormals as 0.
+#if defined(__AVX512BF16__)
+// Whether this call's forward products take the bf16 GEMM (non-narrow tiles).
+inline bool bf16_products(const SdpaParams& p) { return p.dtype == DType::kBF16; }
+
+// C[r][x] (+)= sum_k dot2(A[r * rs + k * ks], B[k * ldb + x]), r < M_, x < N_ * W: A and B
+// hold pairs of bf16 as 32-bit words.
+template <int M_, int N_>
+void micro_bf16(int64_t K2, const uint32_t* __restrict A, int64_t rs, int64_t ks,
+                const uint32_t* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+                bool accumulate) {
+  __m512 acc[M_][N_];
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x)
+      acc[r][x] = accumulate ? _mm512_loadu_ps(C + r * ldc + x * W) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh b[N_];
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * W);
+    const uint32_t* a = A + k * ks;
+#pragma GCC unroll 8
+    for (int r = 0; r < M_; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * rs]);
+#pragma GCC unroll 8
+      for (int x = 0; x < N_; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], av, b[x]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) _mm512_storeu_ps(C + r * ldc + x * W, acc[r][x]);
+}
+
+using MicroBf16Fn = void (*)(int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*,
+                             int64_t, float*, int64_t, bool);
+#define JAX_SDPA_MICRO_ROW(m)                                                 \
+  {micro_bf16<m, nr_clamp(1)>, micro_bf16<m, nr_clamp(2)>, micro_bf16<m, nr_clamp(3)>, \
+   micro_bf16<m, nr_clamp(4)>}
+const MicroBf16Fn kMicroBf16[6][4] = {JAX_SDPA_MICRO_ROW(1), JAX_SDPA_MICRO_ROW(2),
+                                      JAX_SDPA_MICRO_ROW(3), JAX_SDPA_MICRO_ROW(4),
+                                      JAX_SDPA_MICRO_ROW(5), JAX_SDPA_MICRO_ROW(6)};
+#undef JAX_SDPA_MICRO_ROW
+
+// gemm over K2 pairs: C[M x N] (+)= A[M x 2*K2] · B[2*K2 x N], N a multiple of W.
+void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, int64_t ks,
+               const uint32_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += NR * W) {
+    int nv = (int)min64((N - n0) / W, NR);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      int mr = (int)min64(M - m0, MR);
+      kMicroBf16[mr - 1][nv - 1](K2, A + m0 * rs, rs, ks, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                                 accumulate);
+    }
+  }
+}
+
+// Pp[q][c] = (bf16(P[2q][c]), bf16(P[2q+1][c])) for q < ceil(jn / 2), the pair of an odd
+// last key zero; P is float32 [jn][np].
+void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
+  const __m512i lanes = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int64_t q = 0; 2 * q < jn; ++q) {
+    const float* lo = P + 2 * q * np;
+    const float* hi = 2 * q + 1 < jn ? lo + np : nullptr;
+    for (int64_t c0 = 0; c0 < np; c0 += W) {
+      const __m512 a = _mm512_loadu_ps(lo + c0);
+      const __m512 b = hi ? _mm512_loadu_ps(hi + c0) : _mm512_setzero_ps();
+      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in words 0..15, b above
+      _mm512_storeu_si512(Pp + q * np + c0, _mm512_permutexvar_epi16(lanes, ab));
+    }
+  }
+}
+// Qp[q][c] = the bf16 pair (Qt[2q][c], Qt[2q+1][c]) of float32 Qt [D][np] that holds bf16
+// values (truncation is exact), the pair of an odd last d zero.
+void pack_q_pairs(const float* Qt, int64_t D, int64_t np, uint32_t* Qp) {
+  for (int64_t q = 0; 2 * q < D; ++q)
+    for (int64_t c = 0; c < np; ++c) {
+      const uint32_t lo = f32_to_bits(Qt[2 * q * np + c]) >> 16;
+      const uint32_t hi = 2 * q + 1 < D ? f32_to_bits(Qt[(2 * q + 1) * np + c]) >> 16 : 0u;
+      Qp[q * np + c] = lo | hi << 16;
+    }
+}
+
+// A bf16 row of n as (n + 1) / 2 pairs, an odd n's last pair zero-padded; null: zeros.
+void pack_row_pairs(const uint16_t* row, int64_t n, uint32_t* dst) {
+  if (!row) {
+    memset(dst, 0, (n + 1) / 2 * sizeof(uint32_t));
+    return;
+  }
+  memcpy(dst, row, n / 2 * sizeof(uint32_t));
+  if (n % 2) dst[n / 2] = row[n - 1];
+}
+
+// A block's keys as bf16 pairs: Kp[j][D2] pairs along d, Vp[q][Dv] pairs along keys (V rows
+// 2q, 2q+1; an odd block's last partner zero). Hidden keys (null rows) are zero: their P is 0.
+void pack_kv_pairs(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t jn,
+                   int64_t D, int64_t Dv, uint32_t* Kp, uint32_t* Vp) {
+  for (int64_t j = 0; j < jn; ++j) pack_row_pairs(krow[j], D, Kp + j * ((D + 1) / 2));
+  for (int64_t q = 0; 2 * q < jn; ++q) {
+    const uint16_t* a = vrow[2 * q];
+    const uint16_t* b = 2 * q + 1 < jn ? vrow[2 * q + 1] : nullptr;
+    uint32_t* vd = Vp + q * Dv;
+    if (a && b) {
+      for (int64_t d = 0; d < Dv; ++d) vd[d] = (uint32_t)a[d] | (uint32_t)b[d] << 16;
+    } else if (a || b) {
+      const uint16_t* x = a ? a : b;
+      const int sh = a ? 0 : 16;
+      for (int64_t d = 0; d < Dv; ++d) vd[d] = (uint32_t)x[d] << sh;
+    } else {
+      memset(vd, 0, Dv * sizeof(uint32_t));
+    }
+  }
+}
+#endif  // __AVX512BF16__
 
 // ---- scratch --------------------------------------------------------------------
 // One aligned block per participant, carved into float arrays.
@@ -749,11 +890,15 @@ struct BlockScratch {
   float *Qt, *St, *Ot, *Kf, *Vf, *zero_row, *tmp;
   const float** kr;
   const float** vr;
+  uint32_t *Qp, *Kp, *Vp, *Pp;  // bf16 pairs (bf16_products)
 };
+inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
 size_t block_scratch_bytes(int64_t D, int64_t Dv) {
   return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D) + 2 * (size_t)round_up(kBk * 8, 64) +
          floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
-         floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv));
+         floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv)) +
+         floats_bytes(pair_words(D) * kBq) + floats_bytes(kBk * pair_words(D)) +
+         floats_bytes(kBk / 2 * Dv) + floats_bytes(kBk / 2 * kBq);
 }
 BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   BlockScratch sc;
@@ -767,6 +912,10 @@ BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   sc.tmp = cv.floats(max64(D, Dv));
   sc.kr = reinterpret_cast<const float**>(cv.ints(kBk));
   sc.vr = reinterpret_cast<const float**>(cv.ints(kBk));
+  sc.Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
+  sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBk * pair_words(D)));
+  sc.Vp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * Dv));
+  sc.Pp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * kBq));
   return sc;
 }
 
@@ -807,8 +956,12 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + kBk - 1) / kBk : 0;
   st->ka = t.KF + share * nblk / ctx.nsplit * kBk;
   st->kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
-  if (st->kb > st->ka)
+  if (st->kb > st->ka) {
     pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
+#if defined(__AVX512BF16__)
+    if (bf16_products(p) && !st->narrow) pack_q_pairs(sc.Qt, D, t.np, sc.Qp);
+#endif
+  }
 }
 
 // Folds keys [j0, j0 + jn) into the tile's softmax state. Narrow tiles need the task's St
@@ -855,6 +1008,20 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
       gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, sc.Qt, np, St + runs[r].j * np,
            np, false);
     }
+#if defined(__AVX512BF16__)
+  } else if (bf16_products(p)) {  // K and V rows as bf16 pairs, hidden ones zero
+    const uint16_t *krow[kBk], *vrow[kBk];
+    const uint16_t* kp = static_cast<const uint16_t*>(buf.k);
+    const uint16_t* vp = static_cast<const uint16_t*>(buf.v);
+    for (int64_t r = 0; r < nruns; ++r)
+      for (int64_t j = 0; j < runs[r].n; ++j) {
+        const bool hidden = runs[r].k < 0;
+        krow[runs[r].j + j] = hidden ? nullptr : kp + runs[r].k + j * p.k_stride[2];
+        vrow[runs[r].j + j] = hidden ? nullptr : vp + runs[r].v + j * p.v_stride[2];
+      }
+    pack_kv_pairs(krow, vrow, jn, D, Dv, sc.Kp, sc.Vp);
+    gemm_bf16(jn, np, pair_words(D), sc.Kp, pair_words(D), 1, sc.Qp, np, St, np, false);
+#endif
   } else {
     load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
     gemm(jn, np, D, sc.Kf, D, 1, sc.Qt, np, St, np, false);
@@ -865,9 +1032,14 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
       if (runs[r].k < 0)
         for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x) St[x] = -INFINITY;
   float *m = st.m, *l = st.l, *alpha = st.alpha;
+  // Block maxima, key by key in order for each query; all of the tile's vectors in one pass
+  // (one vector at a time would wait on each max's latency).
+  vf bmax[kBq / W];
+  for (int64_t v = 0; v < np / W; ++v) bmax[v] = splat(-INFINITY);
+  for (int64_t j = 0; j < jn; ++j)
+    for (int64_t v = 0; v < np / W; ++v) bmax[v] = vmax(bmax[v], loadv(St + j * np + v * W));
   for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
-    vf mx = splat(-INFINITY);
-    for (int64_t j = 0; j < jn; ++j) mx = vmax(mx, loadv(St + j * np + c0));
+    vf mx = bmax[c0 / W];
     vf mo = loadv(m + c0);
     vf mn = vmax(mo, mx);
     vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
@@ -898,6 +1070,11 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
       gemm(Dv, np, runs[r].n, vp + runs[r].v, 1, p.v_stride[2], St + runs[r].j * np, np, Ot, np,
            true);
     }
+#if defined(__AVX512BF16__)
+  } else if (bf16_products(p)) {
+    pack_p_pairs(St, jn, np, sc.Pp);
+    gemm_bf16(Dv, np, pair_words(jn), sc.Vp, 1, Dv, sc.Pp, np, Ot, np, true);
+#endif
   } else {
     gemm(Dv, np, jn, sc.Vf, 1, Dv, St, np, Ot, np, true);
   }
@@ -1030,6 +1207,12 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   float* lse_use = cv.floats(kBq);
   float* delta = cv.floats(kBq);
   float* tmp = cv.floats(2 * max64(Dp, Dvp));
+  // bf16 pairs along d of K, V (the chunk's) and Q, dO (the tile's) for S^T and dP^T: both
+  // products of inputs, exact in float32 (bf16_products).
+  uint32_t* Kpc = reinterpret_cast<uint32_t*>(cv.floats(ctx.chunk * pair_words(D)));
+  uint32_t* Vpc = reinterpret_cast<uint32_t*>(cv.floats(ctx.chunk * pair_words(Dv)));
+  uint32_t* Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
+  uint32_t* dOp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(Dv) * kBq));
 
   const int64_t kbase = b * p.k_stride[0] + hk * p.k_stride[1];
   const int64_t vbase = b * p.v_stride[0] + hk * p.v_stride[1];
@@ -1041,6 +1224,19 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     load_row(buf.k, p.dtype, kbase + j * p.k_stride[2], D, Kc + (j - k0) * Dp);
     load_row(buf.v, p.dtype, vbase + j * p.v_stride[2], Dv, Vc + (j - k0) * Dvp);
   }
+#if defined(__AVX512BF16__)
+  const bool bf16 = bf16_products(p);
+  if (bf16)
+    for (int64_t j = k0; j < k1; ++j) {
+      const bool live = j < k1e;
+      pack_row_pairs(live ? static_cast<const uint16_t*>(buf.k) + kbase + j * p.k_stride[2]
+                          : nullptr, D, Kpc + (j - k0) * pair_words(D));
+      pack_row_pairs(live ? static_cast<const uint16_t*>(buf.v) + vbase + j * p.v_stride[2]
+                          : nullptr, Dv, Vpc + (j - k0) * pair_words(Dv));
+    }
+#else
+  (void)Kpc, (void)Vpc, (void)Qp, (void)dOp;
+#endif
   float* dqp = ctx.dq_part + ((ch * p.batch + b) * p.heads_kv + hk) * (p.len_q * G) * Dp;
 
   const int64_t rows = qlen * G;
@@ -1054,6 +1250,12 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     const int64_t np = t.np;
     pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, Dp, tmp);
     pack_rows(p, t, buf.dout, p.o_stride, Dv, dOt, dOr, Dvp, tmp);
+#if defined(__AVX512BF16__)
+    if (bf16) {
+      pack_q_pairs(Qt, D, np, Qp);
+      pack_q_pairs(dOt, Dv, np, dOp);
+    }
+#endif
     for (int64_t c = 0; c < np; ++c) {
       lse_use[c] = INFINITY;  // exp(s - inf) = 0: no probability for this column
       delta[c] = 0.0f;
@@ -1073,9 +1275,20 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       if (seg == SegCover::kNone) continue;
       const float* kb = Kc + (j0 - k0) * Dp;
       const float* vb = Vc + (j0 - k0) * Dvp;
-      gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
-      scale_and_mask(p, t, j0, jn, St, seg, dcap);
-      gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        gemm_bf16(jn, np, pair_words(D), Kpc + (j0 - k0) * pair_words(D), pair_words(D), 1, Qp,
+                  np, St, np, false);
+        scale_and_mask(p, t, j0, jn, St, seg, dcap);
+        gemm_bf16(jn, np, pair_words(Dv), Vpc + (j0 - k0) * pair_words(Dv), pair_words(Dv), 1,
+                  dOp, np, dPt, np, false);
+      } else
+#endif
+      {
+        gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
+        scale_and_mask(p, t, j0, jn, St, seg, dcap);
+        gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
+      }
       for (int64_t j = 0; j < jn; ++j)
         for (int64_t c0 = 0; c0 < np; c0 += W) {
           // P <= 1: the recomputed score can round above the forward's max near 1e30.
@@ -1261,7 +1474,9 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
                2 * floats_bytes(ctx.chunk * Dvp) + floats_bytes(D * kBq) +
                floats_bytes(kBq * Dp) + floats_bytes(Dv * kBq) + floats_bytes(kBq * Dvp) +
                2 * floats_bytes(kBk * kBq) + 2 * floats_bytes(kBq) +
-               floats_bytes(2 * max64(Dp, Dvp));
+               floats_bytes(2 * max64(Dp, Dvp)) + floats_bytes(ctx.chunk * pair_words(D)) +
+               floats_bytes(ctx.chunk * pair_words(Dv)) + floats_bytes(pair_words(D) * kBq) +
+               floats_bytes(pair_words(Dv) * kBq);
   if (!arena_alloc(&ctx.arena, per, parts)) {
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (backward scratch)";

@@ -14,7 +14,7 @@ NB_MODULE(_sdpa_cpu, m) {
   m.doc() = "jax_sdpa native CPU flash-attention kernel (XLA FFI handlers)";
   jax_sdpa::def_registrations(m);
   m.def("isa", [] { return std::string(jax_sdpa::cpu::active_isa()); },
-        "The kernel variant picked for this CPU (x86-64-v4/v3/v2 or generic).");
+        "The kernel variant picked for this CPU (x86-64-v4-bf16/v4/v3/v2 or generic).");
   m.def("num_threads", [] { return jax_sdpa::cpu::ThreadPool::global().participants(); },
         "Threads the kernel runs on (JAX_SDPA_CPU_THREADS overrides).");
 }

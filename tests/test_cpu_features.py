@@ -434,3 +434,91 @@ def test_paged_forward_reads_pages_in_place(layout, case, rng):
                     sinks=sinks.astype(np.float64), causal=True)
         tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
         assert _rel(got, want) <= tol, cap
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 products (the x86-64-v4-bf16 variant: VDPBF16PS, P rounded to bfloat16)
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_bf16_variant_is_picked_where_the_cpu_has_avx512_bf16():
+    """The variant in use on a CPU with AVX512-BF16 is the one with the bf16 products, and
+    JAX_SDPA_CPU_ISA=v4 still caps it at plain AVX-512 (checked in a fresh process: the pick
+    happens once)."""
+    import os
+    import subprocess
+    import sys
+    flags = _cpu_flags()
+    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"} <= flags:
+        pytest.skip("this CPU has no AVX512-BF16")
+    if os.environ.get("JAX_SDPA_CPU_ISA"):
+        pytest.skip("JAX_SDPA_CPU_ISA caps the variant in this run")
+    assert _ext.module("_sdpa_cpu").isa() == "x86-64-v4-bf16"
+    code = "from jax_sdpa import _ext; print(_ext.module('_sdpa_cpu').isa())"
+    env = dict(os.environ, JAX_SDPA_CPU_ISA="v4")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[-1] == "x86-64-v4"
+
+
+BF16_SHAPES = [  # b, hq, hk, lq, lk, d, dv: prefill-shaped tiles (more than 8 rows a kv head)
+    (1, 4, 2, 37, 37, 64, 64),
+    (2, 3, 1, 130, 201, 80, 80),
+    (1, 2, 2, 77, 65, 128, 128),
+    (1, 4, 1, 45, 99, 33, 17),   # odd D, Dv and key counts: zero-padded pairs
+]
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "segments", "softcap"])
+@pytest.mark.parametrize("shape", BF16_SHAPES,
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}v{}".format(*s))
+def test_bf16_forward_and_backward_match_float64(shape, case, rng):
+    b, hq, hk, lq, lk, d, dv = shape
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    q, k, v = (np.asarray(bf(_normal(rng, *s)).astype(jnp.float32))
+               for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
+    kvl = np.array([lk - 3] + [lk] * (b - 1), np.int32)
+    sinks = _normal(rng, 1, hq)
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks)
+    ow = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks[0].astype(np.float64))
+    mask = None
+    if case == "causal":
+        kw.update(window_right=0, bottom_right=True)
+        ow.update(window_right=0, bottom_right=True)
+    elif case == "mask":
+        mask = rng.random((b, 1, lq, lk)) < 0.6
+        ow.update(mask=mask)
+    elif case == "segments":
+        qs, ks = _segments(rng, b, lq, "sorted"), _segments(rng, b, lk, "sorted")
+        kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+        ow.update(q_segment_ids=qs, kv_segment_ids=ks)
+    elif case == "softcap":
+        q = q * 4  # logits the cap bends
+        kw.update(logits_soft_cap=5.0)
+        ow.update(logits_soft_cap=5.0)
+    extra = {} if mask is None else dict(mask=jnp.asarray(mask))
+    out, lse = _call_fwd(bf(q), bf(k), bf(v), **kw, **extra)
+    want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                    v.astype(np.float64), **ow)
+    # The output's own rounding to bf16 is 2^-9 relative; P's rounding adds less.
+    assert _rel(out.astype(np.float32), want) <= 6e-3
+    # Scores are exact products summed in float32: lse is float32-accurate.
+    fin = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-4)
+    # The backward (S^T and dP^T by bf16 pairs) from our forward's outputs.
+    dout = np.asarray(bf(_normal(rng, *out.shape)).astype(jnp.float32))
+    grads = _call_bwd(bf(q), bf(k), bf(v), out, lse, bf(dout), **kw, **extra)
+    wg = oracle.backward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                         dout.astype(np.float64), **ow)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert _rel(g, wg[name]) <= 8e-3, name
