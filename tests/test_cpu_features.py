@@ -465,8 +465,10 @@ def test_bf16_variant_is_picked_where_the_cpu_has_avx512_bf16():
     assert _ext.module("_sdpa_cpu").isa() == "x86-64-v4-bf16"
     code = "from jax_sdpa import _ext; print(_ext.module('_sdpa_cpu').isa())"
     env = dict(os.environ, JAX_SDPA_CPU_ISA="v4")
+    # cwd "/": from the repository root `-c` would import the source tree's jax_sdpa, which
+    # has no compiled modules
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
+                         cwd="/", check=True).stdout.split()
     assert out[-1] == "x86-64-v4"
 
 
