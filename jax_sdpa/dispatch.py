@@ -460,9 +460,9 @@ def _decode_pick(call: "_Call") -> Optional[str]:
                 tuning.CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS:
             return "cuda"
         if rows <= 4 and cfg.head_dim == cfg.head_dim_v:
-            picks = tuning.CUDA_DECODE_FEW_ROWS.get(cfg.head_dim, (None, None))
-            if picks[0 if big else 1] is not None:
-                return picks[0 if big else 1]
+            pick = tuning.CUDA_DECODE_FEW_ROWS.get(cfg.head_dim, (None, None))[0 if big else 1]
+            if pick is not None:
+                return pick
         return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
             tuning.CUDA_DECODE_OVER_CUDNN_ROWS[1] else None
     if cfg.dtype == np.dtype(np.float32):
