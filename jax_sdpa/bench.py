@@ -122,18 +122,12 @@ def available_implementations(platform: Optional[str] = None, include_emulator=F
     names = []
     for name in dispatch.IMPLEMENTATIONS:
         if name in dispatch.FUSED_PLATFORMS:
-            if dispatch.FUSED_PLATFORMS[name] != platform or not _ext_has(name):
+            if dispatch.FUSED_PLATFORMS[name] != platform or not dispatch.installed(name):
                 continue
             if name == "metal" and sys.platform != "darwin" and not include_emulator:
                 continue  # the Linux Metal emulator is for testing, not timing
         names.append(name)
     return names
-
-
-def _ext_has(name):
-    from jax_sdpa import _ext
-
-    return _ext.has_backend(name)
 
 
 def peers(platform: Optional[str] = None):

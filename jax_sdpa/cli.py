@@ -97,6 +97,8 @@ def cmd_info(args) -> int:
     cudnn = _cudnn_line()
     if cudnn:
         _print(f"  {cudnn}")
+    from jax_sdpa import flash_attn3
+    _print(f"  {'flash_attn3':12s} {flash_attn3.load_error() or 'flash-attn3-jax imported'}")
     _print(f"implementations: {', '.join(jax_sdpa.IMPLEMENTATIONS)}")
     for title, ex in _sample_explains():
         _print(f"\n{title}")

@@ -22,12 +22,13 @@ from typing import Optional
 
 import numpy as np
 
-from jax_sdpa import _ext, tuning
+from jax_sdpa import _ext, flash_attn3, tuning
 from jax_sdpa.config import (FP32_PRECISION_HIGHEST, MASK_ADDITIVE, MASK_BOOL, MASK_NONE,
                              Config)
 
-IMPLEMENTATIONS = ("cudnn", "cuda", "metal", "cpu", "xla", "xla_chunked")
-FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "metal": "cpu", "cpu": "cpu"}
+IMPLEMENTATIONS = ("cudnn", "cuda", "flash_attn3", "metal", "cpu", "xla", "xla_chunked")
+FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "flash_attn3": "cuda", "metal": "cpu",
+                   "cpu": "cpu"}
 
 XLA_CHUNKED_SCORE_BYTES = tuning.XLA_CHUNKED_SCORE_BYTES
 
@@ -51,6 +52,16 @@ def _platform_check(name, platform):
                  "cpu": "the CPU platform"}[want]
         return _no(f"'{name}' needs {where}; this call lowers for platform '{platform}'")
     return None
+
+
+def installed(name: str) -> bool:
+    """Whether implementation `name`'s kernels are present here at all (a compiled module
+    of ours, or for "flash_attn3" the flash-attn3-jax package); the pure-JAX ones always."""
+    if name not in FUSED_PLATFORMS:
+        return True
+    if name == "flash_attn3":
+        return flash_attn3.installed()
+    return _ext.has_backend(name)
 
 
 def _backend_missing(backend: str) -> str:
@@ -398,9 +409,23 @@ def supports_cuda(cfg: Config, direction: str, platform: str) -> Verdict:
     return _Call(cfg, direction, platform).verdict("cuda")
 
 
+def _supports_flash_attn3(call: "_Call") -> Verdict:
+    """FlashAttention-3's Hopper kernels through flash-attn3-jax (jax_sdpa/flash_attn3.py)."""
+    if (r := _platform_check("flash_attn3", call.platform)) is not None:
+        return r
+    if (why := flash_attn3.load_error()) is not None:
+        return _no(why)
+    if (why := flash_attn3.unsupported_reason(call.cfg, call.direction,
+                                              _cudnn_facts()[1])):
+        return _no(why)
+    target = flash_attn3.FWD_TARGET if call.direction == "fwd" else flash_attn3.BWD_TARGET
+    return _ok(f"FlashAttention-3's Hopper kernels (flash-attn3-jax) [{target}]")
+
+
 _RULES = {
     "cudnn": _supports_cudnn,
     "cuda": _supports_cuda,
+    "flash_attn3": _supports_flash_attn3,
     "metal": lambda call: supports_metal(call.cfg, call.direction, call.platform),
     "cpu": lambda call: supports_cpu(call.cfg, call.direction, call.platform),
     "xla": lambda call: supports_xla(call.cfg, call.direction, call.platform),
@@ -530,6 +555,14 @@ def _wide_forward_in_xla(cfg: Config, direction: str) -> bool:
             and p.window_left < 0 and p.window_right < 0 and not cfg.features)
 
 
+def _flash_attn3_preferred(cfg: Config, direction: str) -> bool:
+    """Whether `implementation=None` tries FlashAttention-3 before cuDNN (where it serves):
+    prefill, in the directions and bands of the row FLASH_ATTN3_FIRST of jax_sdpa/tuning.py
+    (the backward takes out and lse from whichever forward ran)."""
+    band = "causal" if cfg.params.window_right == 0 else "none"
+    return not cfg.is_decode and band in tuning.FLASH_ATTN3_FIRST.get(direction, ())
+
+
 def _preference(call: "_Call"):
     """Fused implementations to try, fastest first, on this platform."""
     cfg, platform, direction = call.cfg, call.platform, call.direction
@@ -545,6 +578,8 @@ def _preference(call: "_Call"):
             return ["xla"]
         if not call.cudnn[0] and _cuda_flash_preferred(cfg, direction):
             return ["cuda"]
+        if _flash_attn3_preferred(cfg, direction):
+            return ["flash_attn3", "cudnn"]
         return ["cudnn"]
     if platform == "cpu":
         # The Metal emulator on Linux is for testing only: never chosen implicitly.
@@ -603,6 +638,8 @@ def _target(call: "_Call", name: str) -> str:
         return _cuda_target(kernel, call.direction)
     if name == "cudnn" and call.direction == "fwd" and not call.cfg.params.lse_used:
         return CUDNN_FWD_NO_LSE_TARGET
+    if name == "flash_attn3":
+        return flash_attn3.FWD_TARGET if call.direction == "fwd" else flash_attn3.BWD_TARGET
     return f"jax_sdpa_{name}_{call.direction}"
 
 
@@ -640,6 +677,8 @@ def ffi_target(name: str, direction: str, cfg: Optional[Config] = None) -> str:
     `cuda_kernel` decides from the call's config."""
     if name == "cuda" and cfg is None:
         raise ValueError("ffi_target('cuda', ...) needs the call's config")
+    if name == "flash_attn3":
+        return flash_attn3.FWD_TARGET if direction == "fwd" else flash_attn3.BWD_TARGET
     if name != "cuda":
         return f"jax_sdpa_{name}_{direction}"
     return _target(_Call(cfg, direction, "cuda"), name)
@@ -670,6 +709,9 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
                       else "the exact einsum softmax"))
     if (r := _platform_check(name, platform)) is not None:
         return r
+    if name == "flash_attn3":
+        return _no("flash-attn3-jax is not used for paged calls (our paged targets and the "
+                   "XLA gather serve them)")
     target = paged_target(name)
     if target not in _ext.ffi_targets():
         return _no(f"this build's {name} module registers no paged target ({target})")

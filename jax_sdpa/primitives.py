@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_sdpa import dispatch, reference, sharding
+from jax_sdpa import dispatch, flash_attn3, reference, sharding
 from jax_sdpa.config import Config, StaticParams
 
 try:
@@ -241,6 +241,8 @@ def _lower(direction, platform):
                            probs_dtype=plan.probs_dtype)
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        if plan.implementation == "flash_attn3":
+            return flash_attn3.lower(ctx, direction, args, params)
         if plan.segments_as_mask:
             return _lower_segments_as_mask(ctx, plan.target, n_fixed, args, flags, params)
         attrs = _ffi_attrs(params, flags)

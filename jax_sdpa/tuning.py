@@ -135,6 +135,17 @@ ROWS = {
         "L4250 D64 92-96 / 85-88 TFLOP/s fwd / fwd+bwd vs xla 39-41 / 51-52, 1.2 MiB vs "
         "10.2 GiB of temporaries); above it xla",
         "benchmarks/results/h200/flash.json"),
+    "FLASH_ATTN3_FIRST": Row(
+        {"fwd": ("causal", "none"), "bwd": ("causal", "none")},
+        "16-bit D128 prefill in the [B, L, H, D] layout that flash-attn3-jax serves: "
+        "FlashAttention-3 before cuDNN in these directions and bands (causal / none). "
+        "TFLOP/s fwd / fwd+bwd, FlashAttention-3 through us vs our cuDNN graph: B4 H32 L4096 "
+        "596 / 572 vs 589 / 533, causal 545 / 525 vs 517 / 478, B1 H16 L16384 causal "
+        "579 / 581 vs 546 / 527, B2 H32/KV8 L8192 causal 574 / 550 vs 541 / 500, B8 H16 "
+        "L1024 causal 379 / 348 vs 353 / 311, B16 H16 L512 429 / 357 vs 443 / 348 (the one "
+        "forward where cuDNN led, by 3%)",
+        "benchmarks/results/h200/peers_flash_attn3_short.json, "
+        "benchmarks/results/h200/peers_flash_attn3.json"),
 }
 
 XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
@@ -151,3 +162,4 @@ XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
 XLA_WIDE_FWD_UNBANDED = ROWS["XLA_WIDE_FWD_UNBANDED"].value
 XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value
 CUDA_PAGED_FLASH_FOR_NONE = ROWS["CUDA_PAGED_FLASH_FOR_NONE"].value
+FLASH_ATTN3_FIRST = ROWS["FLASH_ATTN3_FIRST"].value
