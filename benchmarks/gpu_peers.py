@@ -58,6 +58,8 @@ ROWS = [
     row("B4 H32 L4096 D128 causal", "prefill", 4, 32, 32, 4096, 4096, 128, causal=True),
     row("B1 H16 L16384 D128 causal", "prefill", 1, 16, 16, 16384, 16384, 128, causal=True),
     row("B2 H32/KV8 L8192 D128 causal", "prefill", 2, 32, 8, 8192, 8192, 128, causal=True),
+    row("B8 H16 L1024 D128 causal", "prefill", 8, 16, 16, 1024, 1024, 128, causal=True),
+    row("B16 H16 L512 D128", "prefill", 16, 16, 16, 512, 512, 128),
     row("B4 H16 L4096 D64", "prefill", 4, 16, 16, 4096, 4096, 64),
     row("B2 H16 L4096 D256 causal", "prefill", 2, 16, 16, 4096, 4096, 256, causal=True),
     row("SD3 B2 H38 L4250 D64 fp16", "prefill", 2, 38, 38, 4250, 4250, 64, dtype=F16),
@@ -227,6 +229,7 @@ def ours_named(implementation):
 
 JAX_IMPLS = {"jax_sdpa": ours, "jax_sdpa_cuda": ours_named("cuda"),
              "jax_sdpa_cudnn": ours_named("cudnn"), "jax_sdpa_xla": ours_named("xla"),
+             "jax_sdpa_flash_attn3": ours_named("flash_attn3"),
              "jaxnn_cudnn": jaxnn("cudnn"), "jaxnn_xla": jaxnn("xla"),
              "flash_attn3_jax": fa3, "flash_attn_jax": fa2, "read_ceiling": read_ceiling}
 
@@ -422,7 +425,8 @@ def main():
     ap.add_argument("--groups", default="prefill,packed,decode,paged")
     ap.add_argument("--rows", default="", help="substrings of row names (comma-separated)")
     ap.add_argument("--impls", default=",".join(k for k in JAX_IMPLS if not k.startswith("jax_sdpa_")),
-                    help="also jax_sdpa_cuda, jax_sdpa_cudnn, jax_sdpa_xla: our named implementations")
+                    help="also jax_sdpa_cuda, jax_sdpa_cudnn, jax_sdpa_xla, "
+                         "jax_sdpa_flash_attn3: our named implementations")
     ap.add_argument("--torch", default="cudnn,flash,efficient")
     args = ap.parse_args()
     info = versions()
