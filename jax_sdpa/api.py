@@ -453,8 +453,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     has_mask = bias is not None or mask is not None or q_ids is not None
     empty_by_length_only = (kv_lengths is not None and not has_mask and sinks is None
                             and window_left < 0 and window_right < 0 and s > 0)
-    may_be_empty = (not empty_by_length_only
-                    and _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s))
+    # q_segment_ids alone are the keys' ids too (Lq = Lk): each query keeps its own key
+    may_be_empty = (not empty_by_length_only and _rows_may_be_empty(
+        bias is not None or mask is not None or kv_segment_ids is not None, kv_lengths,
+        window_left, t, s))
     # lse is read for the residual and by _jax_nn_empty_rows
     params = dataclasses.replace(
         params, lse_used=return_residual or may_be_empty or q_lengths is not None)
@@ -501,7 +503,8 @@ _JAX_NN_EMPTY_LSE = -0.7 * float(np.finfo(np.float32).max)
 def _rows_may_be_empty(has_mask, kv_lengths, window_left, t, s):
     """Can a (non-padded) query row have no visible key under jax.nn's top-left rules?
     Causal and right windows always leave key 0 visible; a left window empties the
-    rows past the keys' end; masks, segment ids and key lengths can empty any row."""
+    rows past the keys' end; masks, segment ids of their own for the keys and key lengths
+    can empty any row."""
     return (has_mask or kv_lengths is not None
             or (window_left >= 0 and t - 1 - window_left > s - 1))
 

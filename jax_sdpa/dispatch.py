@@ -419,6 +419,12 @@ def _supports_flash_attn3(call: "_Call") -> Verdict:
                                               _cudnn_facts()[1])):
         return _no(why)
     target = flash_attn3.FWD_TARGET if call.direction == "fwd" else flash_attn3.BWD_TARGET
+    if call.cfg.has_segment_ids:
+        cap = flash_attn3.max_sequences(1)
+        return _ok(f"FlashAttention-3's varlen kernels (flash-attn3-jax) [{target}] over the "
+                   f"runs of equal segment ids, checked when the call runs: each id one run, "
+                   f"the key's ids the query's, <= {cap} runs a row; else what "
+                   f"implementation=None runs without flash-attn3-jax")
     return _ok(f"FlashAttention-3's Hopper kernels (flash-attn3-jax) [{target}]")
 
 
@@ -559,6 +565,8 @@ def _flash_attn3_preferred(cfg: Config, direction: str) -> bool:
     """Whether `implementation=None` tries FlashAttention-3 before cuDNN (where it serves):
     prefill, in the directions and bands of the row FLASH_ATTN3_FIRST of jax_sdpa/tuning.py
     (the backward takes out and lse from whichever forward ran)."""
+    if cfg.has_segment_ids and not tuning.FLASH_ATTN3_PACKED["prefer"]:
+        return False
     band = "causal" if cfg.params.window_right == 0 else "none"
     return not cfg.is_decode and band in tuning.FLASH_ATTN3_FIRST.get(direction, ())
 
@@ -616,7 +624,7 @@ class Plan:
     segments_as_mask: bool = False
 
 
-def _choose(call: "_Call", implementation: Optional[str]) -> str:
+def _choose(call: "_Call", implementation: Optional[str], without=()) -> str:
     if implementation is not None:
         ok, reason = call.verdict(implementation)
         if not ok:
@@ -624,7 +632,7 @@ def _choose(call: "_Call", implementation: Optional[str]) -> str:
                 f"jax_sdpa: implementation={implementation!r} can't serve this call: {reason}")
         return implementation
     for name in _preference(call):
-        if call.verdict(name)[0]:
+        if name not in without and call.verdict(name)[0]:
             return name
     return _xla_choice(call.cfg)
 
@@ -644,11 +652,12 @@ def _target(call: "_Call", name: str) -> str:
 
 
 def plan(cfg: Config, platform: str, direction: str = "fwd",
-         implementation: Optional[str] = None) -> Plan:
+         implementation: Optional[str] = None, without=()) -> Plan:
     """The implementation, FFI target and workspace of this call (raises
-    NotImplementedError when a named implementation can't serve it)."""
+    NotImplementedError when a named implementation can't serve it); `without`: names
+    implementation=None passes over."""
     call = _Call(cfg, direction, platform)
-    name = _choose(call, implementation)
+    name = _choose(call, implementation, without)
     reason = call.verdict(name)[1]
     if name in ("xla", "xla_chunked"):
         return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))

@@ -13,6 +13,12 @@ written by the handler with rows = Lq rounded up to its own tile (80 query rows 
 non-causal D128 kernel); flash-attn3-jax's own `flash_mha` sizes them for 128-row tiles,
 which overruns them when the 80-row rounding is larger and gives NaN or wrong gradients
 (benchmarks/results/h200/fa3_check.jsonl). We size them for any tile.
+
+Packed sequences (segment ids) run its varlen kernels: the [B, L] rows are one stream of
+B*L tokens cut where the id changes (and at every row's start), cu_seqlens built in XLA
+next to the call. That answers the contract only where each id's tokens are one run and
+the query's ids are the key's; the lowering checks both when the call runs and otherwise
+takes the `fallback` it is given (what implementation=None runs without this package).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from jax_sdpa import tuning
 from jax_sdpa.config import MASK_NONE, Config
 
 PACKAGE = "flash_attn3_jax"
@@ -84,10 +91,12 @@ def unsupported_reason(cfg: Config, direction: str, compute_capability) -> Optio
     used = [name for name, on in (
         ("a mask", cfg.mask_kind != MASK_NONE), ("sinks", cfg.has_sinks),
         ("sequence lengths", cfg.has_q_lengths or cfg.has_kv_lengths),
-        ("segment ids", cfg.has_segment_ids),
         ("logits_soft_cap", cfg.params.logits_soft_cap > 0)) if on]
     if used:
         return "flash-attn3-jax is not given " + ", ".join(used) + " here"
+    if cfg.has_segment_ids and cfg.len_q != cfg.len_kv:
+        return ("flash-attn3-jax's varlen call serves segment ids of packed self-attention "
+                f"rows (Lq = Lk), not Lq={cfg.len_q}, Lk={cfg.len_kv}")
     p = cfg.params
     if p.window_left < 0 and p.window_right < 0:
         return None
@@ -154,13 +163,152 @@ def _backward(q, k, v, out, lse, dout, *, params):
     return dq, dk, dv
 
 
-def lower(ctx, direction: str, args, params):
-    """The lowering of one of our primitives ('fwd': args q, k, v, *optional -> out, lse;
-    'bwd': q, k, v, out, lse, dout, *optional -> dq, dk, dv) as flash-attn3-jax's target.
-    The optional operands are placeholders here (unsupported_reason refuses real ones)."""
-    from jax.interpreters import mlir
+# ---- packed sequences: the varlen kernels ----------------------------------------
+
+def max_sequences(batch: int) -> int:
+    """The most runs of equal segment ids (sequences) a packed call hands the varlen
+    kernels; a call with more takes its fallback (the row FLASH_ATTN3_PACKED of
+    jax_sdpa/tuning.py)."""
+    return batch * tuning.FLASH_ATTN3_PACKED["max_sequences_per_row"]
+
+
+def _buckets(first: int, last: int):
+    """first, 2 first, 4 first, ... below last, then last."""
+    out = []
+    while first < last:
+        out.append(first)
+        first *= 2
+    return out + [last]
+
+
+def sequence_runs(q_ids, kv_ids, cap: int):
+    """The varlen description of packed [B, L] rows: (cu_seqlens [cap + 1] int32 over the
+    B*L tokens, padded with B*L; sequences; the longest; whether the varlen call answers
+    the contract: every id's tokens one run in its row, the key's ids the query's, at
+    most `cap` runs)."""
+    import jax.numpy as jnp
+
+    b, length = q_ids.shape
+    flat = q_ids.reshape(-1)
+    position = jnp.arange(b * length)
+    starts = (position % length == 0) | (flat != jnp.roll(flat, 1))
+    runs = jnp.sum(starts, dtype=jnp.int32)
+    ordered = jnp.sort(q_ids, axis=-1)
+    distinct = b + jnp.sum(ordered[:, 1:] != ordered[:, :-1], dtype=jnp.int32)
+    first = jnp.nonzero(starts, size=cap, fill_value=b * length)[0].astype(jnp.int32)
+    cu = jnp.concatenate([first, jnp.full((1,), b * length, jnp.int32)])
+    longest = jnp.max(cu[1:] - cu[:-1])
+    ok = (distinct == runs) & (runs <= cap) & jnp.all(q_ids == kv_ids)
+    return cu, runs, longest, ok
+
+
+def _varlen_forward(q, k, v, cu, *, params):
+    """[B, L, H, D] rows as one varlen stream: out [B, L, Hq, D], lse [B, Hq, L]."""
+    import jax
+    import jax.numpy as jnp
+
+    b, length, hq, d = q.shape
+    total = b * length
+    flat = lambda x: x.reshape(total, *x.shape[2:])  # noqa: E731
+    empty = jnp.zeros((0,), q.dtype)
+    empty_i32 = jnp.zeros((0,), jnp.int32)
+    empty_f32 = jnp.zeros((0,), jnp.float32)
+    # varlen lse is [Hq, total tokens]
+    results = [jax.ShapeDtypeStruct((total, hq, d), q.dtype),
+               jax.ShapeDtypeStruct((hq, total), jnp.float32),
+               jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32),
+               jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
+    # the operands of _forward's call, with cu_seqlens_q = cu_seqlens_k = cu
+    given = ([empty] * 3 + [cu, cu] + [empty_i32] * 6 + [empty] * 2 + [empty_i32]
+             + [empty_f32] * 3 + [empty_i32])
+    out, lse, _, _ = jax.ffi.ffi_call(FWD_TARGET, results)(
+        flat(q), flat(k), flat(v), *given,
+        max_seqlen_q=length, max_seqlen_q_has_value=True, max_seqlen_k=length,
+        max_seqlen_k_has_value=True, softmax_scale_val=float(params.scale),
+        softmax_scale_has_value=True, pack_gqa_val=False, pack_gqa_has_value=False,
+        attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1,
+        sm_margin=0, **_band_attrs(params))
+    return out.reshape(q.shape), lse.reshape(hq, b, length).transpose(1, 0, 2)
+
+
+def _varlen_backward(q, k, v, out, lse, dout, cu, *, sequences, longest, params):
+    """The varlen backward told `sequences` runs (cu's first sequences + 1 entries) of at
+    most `longest` tokens: its grid is sequences x heads x longest / 128 blocks, so the
+    lowering picks the smallest bucket that holds the call."""
+    import jax
+    import jax.numpy as jnp
+
+    b, length, hq, d = q.shape
+    total = b * length
+    flat = lambda x: x.reshape(total, *x.shape[2:])  # noqa: E731
+    # side results: [Hq, total + sequences x its query tile, rounded], sized for any tile
+    side_rows = -(-(total + sequences * _BWD_MAX_TILE_ROWS) // _BWD_MAX_TILE_ROWS) \
+        * _BWD_MAX_TILE_ROWS + _BWD_MAX_TILE_ROWS
+    results = [jax.ShapeDtypeStruct((total, hq, d), q.dtype),
+               jax.ShapeDtypeStruct(flat(k).shape, k.dtype),
+               jax.ShapeDtypeStruct(flat(v).shape, v.dtype),
+               jax.ShapeDtypeStruct((hq, side_rows), jnp.float32),
+               jax.ShapeDtypeStruct((hq, side_rows), jnp.float32)]
+    cu = cu[:sequences + 1]
+    empty_i32 = jnp.zeros((0,), jnp.int32)  # seqused_q/k
+    dq, dk, dv, _, _ = jax.ffi.ffi_call(BWD_TARGET, results)(
+        flat(dout), flat(q), flat(k), flat(v), flat(out),
+        lse.transpose(1, 0, 2).reshape(hq, total), cu, cu, empty_i32, empty_i32,
+        max_seqlen_q_val=longest, max_seqlen_q_has_value=True, max_seqlen_k_val=longest,
+        max_seqlen_k_has_value=True, softmax_scale_val=float(params.scale),
+        softmax_scale_has_value=True, softcap=0.0, deterministic=False, sm_margin=0,
+        **_band_attrs(params))
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+_Q_IDS, _KV_IDS = 4, 5  # the segment ids among the optional operands
+
+
+def _packed(direction, params, fallback):
+    """The lowered function of a packed call: the varlen kernels where sequence_runs says
+    they answer it, else `fallback` (the same operands)."""
+    import jax
+    import jax.numpy as jnp
 
     if direction == "fwd":
+        def fn(q, k, v, *optional):
+            cap = max_sequences(q.shape[0])
+            cu, _, _, ok = sequence_runs(optional[_Q_IDS], optional[_KV_IDS], cap)
+            return jax.lax.cond(
+                ok, lambda: _varlen_forward(q, k, v, cu, params=params),
+                lambda: tuple(fallback(q, k, v, *optional)))
+        return fn
+
+    def fn(q, k, v, out, lse, dout, *optional):
+        b, length = q.shape[:2]
+        cap = max_sequences(b)
+        cu, runs, longest, ok = sequence_runs(optional[_Q_IDS], optional[_KV_IDS], cap)
+        counts = _buckets(b, cap)
+        lengths = _buckets(min(_BWD_MAX_TILE_ROWS, length), length)
+        branches = [lambda: tuple(fallback(q, k, v, out, lse, dout, *optional))]
+        for n in counts:
+            for m in lengths:
+                branches.append(functools.partial(
+                    _varlen_backward, q, k, v, out, lse, dout, cu, sequences=n, longest=m,
+                    params=params))
+        which_count = jnp.sum(jnp.asarray(counts[:-1]) < runs)
+        which_length = jnp.sum(jnp.asarray(lengths[:-1]) < longest)
+        index = jnp.where(ok, 1 + which_count * len(lengths) + which_length, 0)
+        return jax.lax.switch(index, branches)
+    return fn
+
+
+def lower(ctx, direction: str, args, params, *, packed: bool = False, fallback=None):
+    """The lowering of one of our primitives ('fwd': args q, k, v, *optional -> out, lse;
+    'bwd': q, k, v, out, lse, dout, *optional -> dq, dk, dv) as flash-attn3-jax's target.
+    The optional operands are placeholders (unsupported_reason refuses real ones) except
+    the segment ids of a `packed` call, which runs the varlen kernels or `fallback`, a
+    function of the same operands (see _packed)."""
+    from jax.interpreters import mlir
+
+    if packed:
+        fn = _packed(direction, params, fallback)
+    elif direction == "fwd":
         fn = lambda q, k, v, *_: _forward(q, k, v, params=params)  # noqa: E731
     else:
         fn = lambda q, k, v, o, lse, do, *_: _backward(q, k, v, o, lse, do,  # noqa: E731

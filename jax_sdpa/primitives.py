@@ -242,7 +242,15 @@ def _lower(direction, platform):
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         if plan.implementation == "flash_attn3":
-            return flash_attn3.lower(ctx, direction, args, params)
+            if not cfg.has_segment_ids:
+                return flash_attn3.lower(ctx, direction, args, params)
+            # Packed calls whose ids the varlen kernels can't take run what None picks
+            # without flash-attn3-jax (decided here, taken when the call runs).
+            other = dispatch.plan(cfg, lowering_platform, direction, None,
+                                  without=("flash_attn3",)).implementation
+            fallback = functools.partial(prim.bind, **dict(kw, implementation=other))
+            return flash_attn3.lower(ctx, direction, args, params, packed=True,
+                                     fallback=fallback)
         if plan.segments_as_mask:
             return _lower_segments_as_mask(ctx, plan.target, n_fixed, args, flags, params)
         attrs = _ffi_attrs(params, flags)

@@ -124,10 +124,10 @@ ROWS = {
         "16-bit prefill with segment ids (packed sequences) and no mask of its own: our "
         "cuDNN graphs with the ids as a dense [B, 1, Lq, Lk] additive mask, up to this many "
         "bytes of mask (a memory bound); above it our CUDA flash kernels "
-        "(CUDA_FLASH_FOR_FEATURES). Packed B2 H32/KV8 L8192 D128 causal, 8 segments: "
-        "with this row None 3.63 / 16.0 ms fwd / fwd+bwd, our flash kernels 7.03 / 39.9, "
-        "jax.nn's cuDNN with the same mask as a bool array 3.68 / 16.1 (flash-attn3-jax's "
-        "varlen call, which is told the segment boundaries, 0.44 / 1.51)",
+        "(CUDA_FLASH_FOR_FEATURES); where flash-attn3-jax serves, FLASH_ATTN3_PACKED comes "
+        "first. Packed B2 H32/KV8 L8192 D128 causal, 8 segments: through this row 3.55 / "
+        "15.9 ms fwd / fwd+bwd, our flash kernels 7.03 / 39.9, jax.nn's cuDNN with the same "
+        "mask as a bool array 3.69 / 16.1",
         "benchmarks/results/h200/peers_packed.json"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
@@ -146,6 +146,17 @@ ROWS = {
         "forward where cuDNN led, by 3%)",
         "benchmarks/results/h200/peers_flash_attn3_short.json, "
         "benchmarks/results/h200/peers_flash_attn3.json"),
+    "FLASH_ATTN3_PACKED": Row(
+        {"prefer": True, "max_sequences_per_row": 64},
+        "16-bit D128 packed self-attention (segment ids, Lq = Lk) where flash-attn3-jax "
+        "serves: its varlen kernels before cuDNN's segment mask, for calls of up to this "
+        "many runs of equal ids per batch row (the varlen backward's grid grows with the "
+        "sequences it is told: B2 H32/KV8 L8192 causal fwd+bwd 1.57 ms told 16, 2.87 told "
+        "64, 7.26 told 256 with L as the longest). Packed B2 H32/KV8 L8192 D128 causal, 8 "
+        "segments: None 0.387 / 1.594 ms fwd / fwd+bwd (355 / 302 TFLOP/s, 0.96 / 0.95 of "
+        "flash-attn3-jax's own varlen call, 0.373 / 1.508, which is told the boundaries), "
+        "cuDNN with the ids as a mask 3.55 / 15.9",
+        "benchmarks/results/h200/peers_packed.json"),
 }
 
 XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
@@ -163,3 +174,4 @@ XLA_WIDE_FWD_UNBANDED = ROWS["XLA_WIDE_FWD_UNBANDED"].value
 XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value
 CUDA_PAGED_FLASH_FOR_NONE = ROWS["CUDA_PAGED_FLASH_FOR_NONE"].value
 FLASH_ATTN3_FIRST = ROWS["FLASH_ATTN3_FIRST"].value
+FLASH_ATTN3_PACKED = ROWS["FLASH_ATTN3_PACKED"].value

@@ -424,8 +424,9 @@ def test_segment_ids_run_cudnn_as_a_mask(fake_h200, monkeypatch, direction):
 def test_segment_ids_lower_to_cudnn_with_their_mask(fake_h200):
     """Exported for the cuda platform: the cuDNN custom calls of a packed call take the mask
     built from the ids ([B, 1, Lq, Lk] of the input dtype) with has_mask set and
-    has_segment_ids clear, forward and backward (the forward keeps its lse: jax.nn's rules
-    for rows that see no key read it)."""
+    has_segment_ids clear, forward and backward. A forward with ids of its own for the keys
+    keeps its lse (jax.nn's rules for rows that see no key read it); q_segment_ids alone
+    leave every query its own key, and that forward drops it."""
     from jax import export
     targets = ("jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_fwd_no_lse", "jax_sdpa_cudnn_bwd")
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
@@ -437,7 +438,10 @@ def test_segment_ids_lower_to_cudnn_with_their_mask(fake_h200):
                                                       q_segment_ids=ids).astype(jnp.float32))
 
     for fn, want in ((lambda q, k, v, ids: jax_sdpa.dot_product_attention(
-            q, k, v, q_segment_ids=ids), ["jax_sdpa_cudnn_fwd"]),
+            q, k, v, q_segment_ids=ids), ["jax_sdpa_cudnn_fwd_no_lse"]),
+                     (lambda q, k, v, ids: jax_sdpa.dot_product_attention(
+                         q, k, v, q_segment_ids=ids, kv_segment_ids=ids),
+                      ["jax_sdpa_cudnn_fwd"]),
                      (jax.grad(loss, argnums=(0, 1, 2)),
                       ["jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_bwd"])):
         exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(

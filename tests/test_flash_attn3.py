@@ -63,8 +63,7 @@ def test_refuses_other_gpus_and_features(fa3_on_h200, monkeypatch):
     cfg = _cfg(window_right=0)
     assert dispatch.supports("flash_attn3", cfg, "bwd", "cuda")[0]
     for extra in (dict(has_sinks=True), dict(has_kv_lengths=True),
-                  dict(has_segment_ids=True), dict(mask_kind="bool", mask_shape=(2, 1, 1, 1),
-                                                   mask_dtype=np.dtype(bool))):
+                  dict(mask_kind="bool", mask_shape=(2, 1, 1, 1), mask_dtype=np.dtype(bool))):
         ok, why = dispatch.supports("flash_attn3", dataclasses.replace(cfg, **extra), "fwd",
                                     "cuda")
         assert not ok and "not given" in why, (extra, why)
@@ -72,6 +71,95 @@ def test_refuses_other_gpus_and_features(fa3_on_h200, monkeypatch):
     monkeypatch.setattr(dispatch, "_CUDNN_FACTS", (91900, (10, 0)))
     ok, why = dispatch.supports("flash_attn3", cfg, "fwd", "cuda")
     assert not ok and "sm_90" in why and "10.0" in why
+
+
+def test_packed_calls_take_the_varlen_kernels(fa3_on_h200):
+    """Segment ids of self-attention rows are served (checked when the call runs), None
+    takes them where the row FLASH_ATTN3_PACKED says; cross-attention lengths are not."""
+    from jax_sdpa import tuning
+    dispatch = fa3_on_h200
+    for direction in ("fwd", "bwd"):
+        cfg = dataclasses.replace(_cfg(window_right=0), has_segment_ids=True)
+        ok, why = dispatch.supports("flash_attn3", cfg, direction, "cuda")
+        assert ok and "varlen" in why and "runs" in why, why
+        want = "flash_attn3" if tuning.FLASH_ATTN3_PACKED["prefer"] else "cudnn"
+        assert dispatch.plan(cfg, "cuda", direction).implementation == want
+        assert dispatch.plan(cfg, "cuda", direction,
+                             without=("flash_attn3",)).implementation == "cudnn"
+    cross = dataclasses.replace(_cfg(lq=512, lk=1024), has_segment_ids=True)
+    ok, why = dispatch.supports("flash_attn3", cross, "fwd", "cuda")
+    assert not ok and "Lq = Lk" in why, why
+
+
+def _runs_numpy(q_ids, kv_ids, cap):
+    """sequence_runs' answer by loops: run boundaries, and whether each id is one run."""
+    b, length = q_ids.shape
+    cu, contiguous = [0], True
+    for row in range(b):
+        seen = set()
+        for i in range(length):
+            if i > 0 and q_ids[row, i] == q_ids[row, i - 1]:
+                continue
+            if i > 0:
+                cu.append(row * length + i)
+            contiguous &= q_ids[row, i] not in seen
+            seen.add(q_ids[row, i])
+        cu.append((row + 1) * length)
+    runs = len(cu) - 1
+    ok = contiguous and runs <= cap and bool((q_ids == kv_ids).all())
+    padded = (cu + [b * length] * (cap + 1))[:cap + 1]
+    return np.asarray(padded), runs, max(np.diff(cu)), ok
+
+
+@pytest.mark.parametrize("case", ["sorted", "padding_last", "shuffled_runs", "interleaved",
+                                  "cross", "too_many", "one_id", "ids_across_rows"])
+def test_sequence_runs_against_loops(case):
+    rng = np.random.default_rng()
+    b, length, cap = 3, int(rng.integers(40, 300)), 24
+    cuts = lambda n: np.sort(rng.choice(np.arange(1, length), n, replace=False))  # noqa: E731
+    ids = np.zeros((b, length), np.int32)
+    for row in range(b):
+        bounds = np.concatenate([[0], cuts(int(rng.integers(1, 6))), [length]])
+        for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            ids[row, lo:hi] = j + 1
+    kv = ids.copy()
+    if case == "padding_last":  # MaxText's convention: 0 after the last sequence
+        ids[:, -7:] = 0
+        kv = ids.copy()
+    elif case == "shuffled_runs":  # one run per id, ids in no order
+        ids = rng.permutation(50)[ids].astype(np.int32)
+        kv = ids.copy()
+    elif case == "interleaved":  # id 1 twice in a row: not one run
+        ids[0, :4], ids[0, 4:8] = 1, 2
+        ids[0, 8:12] = 1
+        kv = ids.copy()
+    elif case == "cross":
+        kv[1, 5] += 1
+    elif case == "too_many":
+        ids = (np.arange(length, dtype=np.int32)[None] // 3).repeat(b, 0)
+        kv = ids.copy()
+    elif case == "one_id":
+        ids[:] = 7
+        kv = ids.copy()
+    elif case == "ids_across_rows":  # the same id ends one row and starts the next
+        ids[0, -5:] = 9
+        ids[1, :5] = 9
+        kv = ids.copy()
+    cu, runs, longest, ok = jax.jit(flash_attn3.sequence_runs, static_argnums=2)(
+        jnp.asarray(ids), jnp.asarray(kv), cap)
+    want_cu, want_runs, want_longest, want_ok = _runs_numpy(ids, kv, cap)
+    assert bool(ok) == want_ok, case
+    if want_runs <= cap:
+        np.testing.assert_array_equal(np.asarray(cu), want_cu)
+        assert int(runs) == want_runs and int(longest) == want_longest
+    assert case not in ("sorted", "padding_last", "shuffled_runs", "one_id",
+                        "ids_across_rows") or want_ok, case
+
+
+def test_backward_buckets_hold_every_call():
+    assert flash_attn3._buckets(2, 128) == [2, 4, 8, 16, 32, 64, 128]
+    assert flash_attn3._buckets(128, 1000) == [128, 256, 512, 1000]
+    assert flash_attn3._buckets(77, 77) == [77]
 
 
 @pytest.mark.parametrize("kwargs, direction, chosen", [
@@ -251,3 +339,61 @@ def test_public_api_grad_vmap_and_none():
     one = jax_sdpa.dot_product_attention(q[::-1], k, v, is_causal=True,
                                          implementation="flash_attn3")
     assert oracle.max_rel_error(out[1], np.asarray(one.astype(jnp.float32))) <= 1e-2
+
+
+def _packed_ids(rng, b, length, case):
+    """[B, L] segment ids: 'runs' (sorted runs of odd lengths, 0 as trailing padding in
+    row 0), 'interleaved' (an id in two runs), 'many' (more runs than max_sequences)."""
+    ids = np.zeros((b, length), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, length), int(rng.integers(2, 7)), replace=False))
+        for j, (lo, hi) in enumerate(zip(np.r_[0, cuts], np.r_[cuts, length])):
+            ids[row, lo:hi] = j + 1
+    if case == "runs":
+        ids[0, -9:] = 0
+    elif case == "interleaved":
+        ids[0, : length // 3] = ids[0, -1]
+    elif case == "many":
+        ids[:] = np.arange(length, dtype=np.int32)[None] // 2
+    return ids
+
+
+@needs_fa3
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["runs", "interleaved", "many", "cross"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("impl", [None, "flash_attn3"])
+def test_packed_against_the_oracle(case, causal, impl):
+    """Segment ids through the varlen kernels ('runs') or the fallback the lowering takes
+    when the call runs ('interleaved', 'many', 'cross': kv ids that differ), forward and
+    gradients against float64, GQA, odd lengths."""
+    rng = np.random.default_rng()
+    b, length, hq, hk = 2, int(rng.integers(300, 700)), 8, 2
+    arrays, f64 = _inputs(rng, b, length, length, hq, hk, "bfloat16")
+    q_ids = _packed_ids(rng, b, length, "runs" if case == "cross" else case)
+    kv_ids = q_ids.copy()
+    if case == "cross":  # one key (not its segment's first) in no query's segment
+        starts = np.flatnonzero(np.r_[True, q_ids[1, 1:] != q_ids[1, :-1]])
+        kv_ids[1, starts[np.argmax(np.diff(np.r_[starts, length]))] + 1] = 999
+    q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
+
+    def loss(q, k, v):
+        out = jax_sdpa.dot_product_attention(
+            q, k, v, is_causal=causal, q_segment_ids=jnp.asarray(q_ids),
+            kv_segment_ids=jnp.asarray(kv_ids), implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    text = grad.lower(q, k, v).as_text()
+    assert "flash_mha_fwd" in text and "flash_mha_bwd" in text
+    (dq, dk, dv), out = grad(q, k, v)
+    kw = dict(scale=1 / np.sqrt(128), window_right=0 if causal else -1, seq_major=True,
+              q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    want_out, _ = oracle.forward(f64["q"], f64["k"], f64["v"], **kw)
+    want = oracle.backward(f64["q"], f64["k"], f64["v"], f64["do"], **kw)
+    for name, x, w, scale in (("out", out, want_out, 1), ("dq", dq, want["dq"], 2),
+                              ("dk", dk, want["dk"], 2), ("dv", dv, want["dv"], 2)):
+        arr = np.asarray(x.astype(jnp.float32))
+        assert np.isfinite(arr).all(), f"{case}: {name} is not finite"
+        err = oracle.max_rel_error(arr, w)
+        assert err <= scale * oracle.tolerance("bfloat16"), f"{case}: {name} error {err:.3g}"
