@@ -70,6 +70,8 @@ ROWS = [
         causal=True, segments=8),
     row("softcap 30 B4 H32 L4096 D128 causal", "packed", 4, 32, 32, 4096, 4096, 128, causal=True,
         softcap=30.0),
+    row("softcap 50 B2 H16/KV8 L4096 D256 causal (Gemma 2)", "packed", 2, 16, 8, 4096, 4096, 256,
+        causal=True, softcap=50.0),
     row("decode B8 H32/KV8 Lk8192 D128", "decode", 8, 32, 8, 1, 8192, 128),
     row("decode B1 H32/KV8 Lk32768 D128", "decode", 1, 32, 8, 1, 32768, 128),
     row("decode B1 H32/KV8 Lk32768 D128 lengths", "decode", 1, 32, 8, 1, 32768, 128, lengths=True),
@@ -240,7 +242,12 @@ def torch_time(r, backend, backward, samples=5):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
-    if r["softcap"] or r["page_size"] or r["segments"] or r["lengths"]:
+    if backend == "flex":  # FlexAttention: soft-capping as a score_mod, causal as a block mask
+        if not r["softcap"]:
+            raise Refused("measured on soft-capped rows only (torch's SDPA backends time the rest)")
+        if r["page_size"] or r["segments"] or r["lengths"]:
+            raise Refused("not measured through FlexAttention")
+    elif r["softcap"] or r["page_size"] or r["segments"] or r["lengths"]:
         raise Refused("not in torch's SDPA API")
     dt = {BF16: torch.bfloat16, F16: torch.float16, F32: torch.float32}[r["dtype"]]
     dev = "cuda"
@@ -250,9 +257,24 @@ def torch_time(r, backend, backward, samples=5):
     q, k, v = mk(r["Hq"], r["Lq"], r["D"]), mk(r["Hk"], r["Lk"], r["D"]), mk(r["Hk"], r["Lk"], r["D"])
     causal = r["causal"] and r["Lq"] > 1
     be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-          "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+          "efficient": SDPBackend.EFFICIENT_ATTENTION, "flex": None}[backend]
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        cap = float(r["softcap"])
+        flex = torch.compile(flex_attention)
+        blocks = (create_block_mask(lambda b, h, i, j: i >= j, None, None, r["Lq"], r["Lk"],
+                                    device=dev) if causal else None)
+
+        def soft_cap(score, b, h, i, j):
+            return cap * torch.tanh(score / cap)
 
     def call():
+        if backend == "flex":
+            o = flex(q, k, v, score_mod=soft_cap, block_mask=blocks,
+                     enable_gqa=r["Hq"] != r["Hk"])
+            if backward:
+                o.backward(o.detach())
+            return o
         with sdpa_kernel([be]):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                enable_gqa=r["Hq"] != r["Hk"])
@@ -427,7 +449,7 @@ def main():
     ap.add_argument("--impls", default=",".join(k for k in JAX_IMPLS if not k.startswith("jax_sdpa_")),
                     help="also jax_sdpa_cuda, jax_sdpa_cudnn, jax_sdpa_xla, "
                          "jax_sdpa_flash_attn3: our named implementations")
-    ap.add_argument("--torch", default="cudnn,flash,efficient")
+    ap.add_argument("--torch", default="cudnn,flash,efficient,flex")
     args = ap.parse_args()
     info = versions()
     info["clocks_start"] = clocks()

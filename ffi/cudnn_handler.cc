@@ -17,7 +17,7 @@ namespace {
 
 // The contract features these handlers' kernels serve (ffi/sdpa_params.h Feature): the
 // registration below declares them, the handlers refuse every other.
-constexpr uint32_t kServedFeatures = kNoFeatures;
+constexpr uint32_t kServedFeatures = kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
 

@@ -202,6 +202,10 @@ def segments_as_mask(cfg: Config) -> Optional[Config]:
                                mask_dtype=cfg.dtype)
 
 
+# The oldest cuDNN our soft-capping score modifier is validated on (the GPU tests).
+CUDNN_SOFT_CAP_MIN_VERSION = 91900
+
+
 def _supports_cudnn(call: "_Call") -> Verdict:
     """What our cuDNN graphs (cuda/cudnn/cudnn_sdpa.cc) serve; cuDNN's own support check
     still runs when the graph is built and its message is raised if it refuses. Segment
@@ -248,6 +252,14 @@ def _supports_cudnn(call: "_Call") -> Verdict:
                        "cuDNN >= 9.10.2, the loaded one is " + _cudnn_version_str(version))
     if cfg.has_sinks and version < 91300:
         return _no("attention sinks need cuDNN >= 9.13, the loaded one is " + _cudnn_version_str(version))
+    if p.logits_soft_cap > 0 and (cc < (9, 0) or version < CUDNN_SOFT_CAP_MIN_VERSION):
+        return _no("soft-capping runs as cuDNN's score modifier (a flexible graph), which "
+                   "needs compute capability >= 9.0 and is validated from cuDNN "
+                   f"{_cudnn_version_str(CUDNN_SOFT_CAP_MIN_VERSION)}; here {cc[0]}.{cc[1]}, "
+                   "cuDNN " + _cudnn_version_str(version))
+    if p.logits_soft_cap > 0 and (cfg.has_q_lengths or cfg.has_kv_lengths):
+        # cuda/cudnn/cudnn_sdpa.cc check_soft_cap: wrong outputs on the H200, cuDNN 9.19
+        return _no("our cuDNN graphs don't combine logits_soft_cap with q/kv lengths")
     if cfg.has_sinks and cfg.batch > 1 and getattr(cfg, "sinks_batch", 1) > 1:
         return _no("cuDNN takes one sink logit per head; per-batch sinks [B, Hq] are "
                    "not supported")

@@ -371,24 +371,40 @@ def test_cuda_platform_preference(fake_h200, kwargs, direction, chosen):
         assert kernel == ("decode" if cfg.is_decode else "flash")
 
 
-@pytest.mark.parametrize("features, direction, chosen", [
-    (("logits_soft_cap",), "fwd", "cuda"), (("logits_soft_cap",), "bwd", "xla"),
-    (("segment_ids", "logits_soft_cap"), "fwd", "cuda"),
-    (("segment_ids", "logits_soft_cap"), "bwd", "xla"),
-])
-def test_features_cudnn_does_not_serve(fake_h200, features, direction, chosen):
-    """16-bit prefill with a soft cap (cuDNN serves none): our flash kernels in the
-    directions CUDA_FLASH_FOR_FEATURES lists for every feature used, our XLA path
-    otherwise."""
+@pytest.mark.parametrize("features", [("logits_soft_cap",), ("segment_ids", "logits_soft_cap")])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_soft_cap_runs_cudnn_from_hopper_and_9_19(fake_h200, monkeypatch, features, direction):
+    """16-bit prefill with a soft cap: our cuDNN graphs (its score modifier; segment ids as
+    their mask) on compute capability 9.0 with cuDNN >= 9.19; on an older cuDNN or GPU,
+    which cuDNN refuses by name, our flash kernels in the directions CUDA_FLASH_FOR_FEATURES
+    lists for every feature used, our XLA path otherwise."""
     import dataclasses
     dispatch = fake_h200
-    cap = 30.0 if "logits_soft_cap" in features else 0.0
-    cfg = dataclasses.replace(_cfg(dtype="bfloat16", d=128, logits_soft_cap=cap),
+    cfg = dataclasses.replace(_cfg(dtype="bfloat16", d=128, logits_soft_cap=30.0),
                               has_segment_ids="segment_ids" in features)
     assert cfg.features == frozenset(features)
-    assert not dispatch.supports_cudnn(cfg, direction, "cuda")[0]
-    got = dispatch.choose(cfg, "cuda", direction)
-    assert got == chosen, (got, dispatch.explain_choice(cfg, "cuda", direction))
+    ok, why = dispatch.supports_cudnn(cfg, direction, "cuda")
+    assert ok, why
+    assert dispatch.choose(cfg, "cuda", direction) == "cudnn"
+    fallback = "cuda" if direction == "fwd" else "xla"
+    for facts in ((91800, (9, 0)), (91900, (8, 0))):
+        monkeypatch.setattr(dispatch, "_CUDNN_FACTS", facts)
+        ok, why = dispatch.supports_cudnn(cfg, direction, "cuda")
+        assert not ok and "soft-capping" in why, why
+        got = dispatch.choose(cfg, "cuda", direction)
+        assert got == fallback, (facts, got, dispatch.explain_choice(cfg, "cuda", direction))
+
+
+def test_cudnn_refuses_soft_cap_with_lengths(fake_h200):
+    """cuDNN's score modifier isn't combined with q/kv lengths (wrong outputs on the H200):
+    refused by name, and None takes our flash kernels' forward."""
+    import dataclasses
+    dispatch = fake_h200
+    cfg = dataclasses.replace(_cfg(dtype="bfloat16", d=128, logits_soft_cap=30.0),
+                              has_kv_lengths=True)
+    ok, why = dispatch.supports_cudnn(cfg, "fwd", "cuda")
+    assert not ok and "logits_soft_cap with q/kv lengths" in why, why
+    assert dispatch.choose(cfg, "cuda", "fwd") == "cuda"
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])

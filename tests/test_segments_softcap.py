@@ -334,6 +334,63 @@ def test_cudnn_serves_segment_ids_as_a_mask(causal, segments, rng):
             assert err <= tol, f"{impl} {name} {err:.3g} > {tol:.3g}"
 
 
+CUDNN_SOFT_CAP_CASES = [
+    Case("plain_gqa", b=2, hq=8, hk=2, lq=200, lk=200, d=64, segments="none", cap=1.5),
+    Case("causal_d128", b=1, hq=4, hk=4, lq=333, lk=333, d=128, segments="none",
+         mask="causal", cap=5.0),
+    Case("bottom_right", b=2, hq=4, hk=2, lq=77, lk=300, d=128, segments="none",
+         mask="causal", cap=2.0),
+    Case("rows_without_keys", b=1, hq=2, hk=1, lq=130, lk=60, d=64, segments="none",
+         mask="causal", cap=2.0),
+    Case("window", b=1, hq=4, hk=2, lq=257, lk=257, d=64, segments="none", window=(32, 0),
+         cap=3.0),
+    Case("additive_sinks", b=2, hq=4, hk=4, lq=100, lk=120, d=64, segments="none",
+         mask="additive", sinks=True, cap=1.5),
+    Case("packed_causal", b=2, hq=4, hk=2, lq=150, lk=150, d=64, mask="causal", cap=4.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CUDNN_SOFT_CAP_CASES, ids=lambda c: c.name)
+def test_cudnn_soft_cap_against_oracle(case, rng):
+    """16-bit soft-capped calls on cuDNN (its score modifier: the cap, then the band, length
+    and bias masks): forward and grads against the float64 oracle on the same bf16 inputs,
+    within the bf16 policy (2x our XLA path's error); None picks cuDNN for them."""
+    if "cudnn" not in implementations_here():
+        pytest.skip("no cuDNN here")
+    x = _inputs(case, rng)
+    for n in ("q", "k", "v", "sinks"):  # the oracle sees exactly the bf16 values used
+        if x[n] is not None:
+            x[n] = np.asarray(jnp.asarray(x[n], jnp.bfloat16).astype(jnp.float32))
+    sinks = None if x["sinks"] is None else jnp.asarray(x["sinks"], jnp.bfloat16)
+    args = [jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v")]
+    kw = dict(mask=x["mask"], sinks=sinks, key_value_seq_lengths=x["kvl"],
+              q_segment_ids=x["q_ids"], kv_segment_ids=x["kv_ids"], logits_soft_cap=case.cap,
+              local_window_size=case.window)
+    for direction in ("fwd", "bwd"):
+        explanation = jax_sdpa.explain(*args, direction=direction, **kw)
+        assert explanation.chosen == "cudnn", (direction, explanation.verdicts["cudnn"])
+    dout = rng.standard_normal((case.b, case.hq, case.lq, case.d)).astype(np.float32)
+    want, _ = oracle.forward(x["q"], x["k"], x["v"], **_oracle_kwargs(case, x))
+    want_g = oracle.backward(x["q"], x["k"], x["v"], dout, **_oracle_kwargs(case, x))
+
+    def run(impl):
+        fn = lambda q, k, v: jax_sdpa.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, implementation=impl, **kw)
+        out, pull = jax.vjp(fn, *args)
+        return (out, *pull(jnp.asarray(dout, out.dtype)))
+
+    baseline = run("xla")
+    for impl in ("cudnn", None):
+        got = run(impl)
+        for g, b, w, name in zip(got, baseline, (want, want_g["dq"], want_g["dk"],
+                                                  want_g["dv"]), ("out", "dq", "dk", "dv")):
+            assert np.isfinite(np.asarray(g.astype(jnp.float32))).all(), f"{impl} {name}"
+            tol = oracle.tolerance("bfloat16", xla_error=max_rel_error(b, w))
+            err = max_rel_error(g, w)
+            assert err <= tol, f"{impl} {name} {err:.3g} > {tol:.3g}"
+
+
 # ---------------------------------------------------------------------------
 # dispatch: refusals name the feature; implementation=None never fails for want of it
 
