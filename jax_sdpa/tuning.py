@@ -111,8 +111,9 @@ ROWS = {
         "benchmarks/results/h200/peers_decode.json"),
     "CUDA_FLASH_FOR_FEATURES": Row(
         {"segment_ids": ("fwd", "bwd"), "logits_soft_cap": ("fwd",)},
-        "16-bit prefill with a feature cuDNN doesn't serve: our CUDA flash kernels in these "
-        "directions, our XLA path in the others. Packed B2 H32/KV8 L8192 D128 causal, 8 "
+        "16-bit prefill with a feature cuDNN doesn't serve (segment ids with a mask of the "
+        "call's own; soft-capping below cuDNN 9.19 or compute capability 9.0, or with "
+        "lengths): our CUDA flash kernels in these directions, our XLA path in the others. Packed B2 H32/KV8 L8192 D128 causal, 8 "
         "segments: ours 7.3 / 40.6 ms fwd / fwd+bwd; the materialized XLA path 23 ms "
         "forward and out of memory for the backward. Soft cap 30 B4 H32 L4096 D128 causal: "
         "ours forward 21.2 ms, None's forward+backward (ours, then the chunked XLA "
