@@ -705,19 +705,44 @@ inline vf transpose_sum(vf* v) {
 
 // St[j][c] = K row j · Q row c for j < jn, c < NP2 (columns NP2.. of St are left alone);
 // kr[j] null: a hidden key, its row is 0 here.
+// Software prefetch for decode, which reads every K and V row once: K rows kAheadRows ahead
+// of the scores' loads, past the block's end into the next block's rows (next: kBk
+// pointers, null for none or hidden, of kbytes each), and each V row into L2 as its K row is
+// scored, for the values pass. The scores read KJ rows interleaved, which the hardware
+// prefetcher does not follow from memory (half the bandwidth without this).
+constexpr int64_t kAheadRows = 16;
+struct NextRows {
+  const char* const* k;
+  int64_t kbytes;
+};
+inline void prefetch_row(const void* row, int64_t bytes, bool to_l1) {
+  const char* r = static_cast<const char*>(row);
+  if (to_l1)
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(r + x, 0, 3);
+  else
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(r + x, 0, 2);
+}
+
 template <int NP2>
+// vr: V rows to prefetch into L2 (null: none).
 void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Qr, int64_t Dp,
-                   const float* zero_row, float* St, int64_t np) {
+                   const float* zero_row, float* St, int64_t np, const NextRows& nx,
+                   const float* const* vr, int64_t vbytes) {
   constexpr int KJ = W / NP2;
   for (int64_t j0 = 0; j0 < jn; j0 += KJ) {
     const float* rows[KJ];
 #pragma GCC unroll 16
     for (int u = 0; u < KJ; ++u) rows[u] = (j0 + u < jn && kr[j0 + u]) ? kr[j0 + u] : zero_row;
-    // The rows a few steps ahead: a paged or slot-major row may start a new 4 KiB page,
-    // where the hardware prefetcher stops.
-    for (int64_t u = j0 + 4 * KJ; u < min64(jn, j0 + 5 * KJ); ++u)
-      if (kr[u])
-        for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(kr[u] + d);
+    for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
+      if (i < jn) {
+        if (kr[i]) prefetch_row(kr[i], D * 4, false);
+      } else if (i - jn < kBk && nx.k[i - jn]) {
+        prefetch_row(nx.k[i - jn], nx.kbytes, false);
+      }
+    }
+    if (vr)
+      for (int64_t u = j0; u < min64(jn, j0 + KJ); ++u)
+        if (vr[u]) prefetch_row(vr[u], vbytes, false);
     vf acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = vf{};
@@ -739,53 +764,77 @@ void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Q
   }
 }
 
-// Or[c][d0 .. d0 + DVC*W) = alpha[c] * Or[c][..] + sum_j P[j][c] * V row j, c < NP2.
-template <int NP2, int DVC>
-void narrow_values(int64_t d0, const float* const* vr, int64_t jn, const float* P, int64_t np,
-                   const float* alpha, float* Or, int64_t ldo) {
-  vf acc[NP2][DVC];
+// Or[c][d0 .. d0 + DVC*W) = alpha[c] * Or[c][..] + sum_j P[j][c] * V row j, c0 <= c < c0 + RP.
+template <int RP, int DVC>
+void narrow_values(int64_t c0, int64_t d0, const float* const* vr, int64_t jn, const float* P,
+                   int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  vf acc[RP][DVC];
 #pragma GCC unroll 8
-  for (int c = 0; c < NP2; ++c)
-#pragma GCC unroll 8
-    for (int u = 0; u < DVC; ++u) acc[c][u] = loadv(Or + c * ldo + d0 + u * W) * splat(alpha[c]);
+  for (int c = 0; c < RP; ++c)
+#pragma GCC unroll 16
+    for (int u = 0; u < DVC; ++u)
+      acc[c][u] = loadv(Or + (c0 + c) * ldo + d0 + u * W) * splat(alpha[c0 + c]);
   for (int64_t j = 0; j < jn; ++j) {
     if (!vr[j]) continue;  // hidden: P = 0 and never read
     vf vv[DVC];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int u = 0; u < DVC; ++u) vv[u] = loadv(vr[j] + d0 + u * W);
 #pragma GCC unroll 8
-    for (int c = 0; c < NP2; ++c) {
-      const vf pc = splat(P[j * np + c]);
-#pragma GCC unroll 8
+    for (int c = 0; c < RP; ++c) {
+      const vf pc = splat(P[j * np + c0 + c]);
+#pragma GCC unroll 16
       for (int u = 0; u < DVC; ++u) acc[c][u] += pc * vv[u];
     }
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < NP2; ++c)
-#pragma GCC unroll 8
-    for (int u = 0; u < DVC; ++u) storev(Or + c * ldo + d0 + u * W, acc[c][u]);
+  for (int c = 0; c < RP; ++c)
+#pragma GCC unroll 16
+    for (int u = 0; u < DVC; ++u) storev(Or + (c0 + c) * ldo + d0 + u * W, acc[c][u]);
 }
 
-constexpr int dvc_for(int np2) { return np2 >= 8 ? 1 : (np2 >= 4 ? 2 : 4); }
+// Accumulators the values kernel keeps in registers (half the vector registers).
+constexpr int kValueAccs = W >= 16 ? 16 : 8;
+// Rows a pass takes: as many of np2 as kValueAccs / DVC accumulators allow (at least 1).
+constexpr int rows_per_pass(int np2, int dvc) {
+  return np2 * dvc <= kValueAccs ? np2 : (kValueAccs / dvc < 1 ? 1 : kValueAccs / dvc);
+}
 
+// Columns d0 .. d0 + DVC*W of every row c < NP2, rows_per_pass of them a pass.
+template <int NP2, int DVC>
+void narrow_values_rows(int64_t d0, const float* const* vr, int64_t jn, const float* P,
+                        int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  constexpr int RP = rows_per_pass(NP2, DVC);
+  for (int64_t c0 = 0; c0 < NP2; c0 += RP)
+    narrow_values<RP, DVC>(c0, d0, vr, jn, P, np, alpha, Or, ldo);
+}
+
+// O rows += P . V, in column chunks of up to kValueAccs vectors. Each pass reads its chunk
+// of every V row in key order, so at D <= kValueAccs * W whole rows in order: passes over
+// the block's rows a few vectors each defeat the hardware prefetcher when V comes from
+// memory (decode), about 2.7x slower reads.
 template <int NP2>
 void narrow_values_all(int64_t Dv, const float* const* vr, int64_t jn, const float* P,
                        int64_t np, const float* alpha, float* Or, int64_t ldo) {
-  constexpr int C = dvc_for(NP2);
   int64_t d0 = 0;
-  for (; d0 + C * W <= Dv; d0 += C * W) narrow_values<NP2, C>(d0, vr, jn, P, np, alpha, Or, ldo);
-  for (; d0 < Dv; d0 += W) narrow_values<NP2, 1>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 + kValueAccs * W <= Dv; d0 += kValueAccs * W)
+    narrow_values_rows<NP2, kValueAccs>(d0, vr, jn, P, np, alpha, Or, ldo);
+  if constexpr (kValueAccs > 8)
+    for (; d0 + 8 * W <= Dv; d0 += 8 * W)
+      narrow_values_rows<NP2, 8>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 + 4 * W <= Dv; d0 += 4 * W) narrow_values_rows<NP2, 4>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 < Dv; d0 += W) narrow_values_rows<NP2, 1>(d0, vr, jn, P, np, alpha, Or, ldo);
 }
 
 int np2_for(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
 
 void narrow_scores_any(int np2, int64_t D, const float* const* kr, int64_t jn, const float* Qr,
-                       int64_t Dp, const float* zero_row, float* St, int64_t np) {
+                       int64_t Dp, const float* zero_row, float* St, int64_t np,
+                       const NextRows& nx, const float* const* vr, int64_t vbytes) {
   switch (np2) {
-    case 1: return narrow_scores<1>(D, kr, jn, Qr, Dp, zero_row, St, np);
-    case 2: return narrow_scores<2>(D, kr, jn, Qr, Dp, zero_row, St, np);
-    case 4: return narrow_scores<(W >= 4 ? 4 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np);
-    default: return narrow_scores<(W >= 8 ? 8 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np);
+    case 1: return narrow_scores<1>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    case 2: return narrow_scores<2>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    case 4: return narrow_scores<(W >= 4 ? 4 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    default: return narrow_scores<(W >= 8 ? 8 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
   }
 }
 void narrow_values_any(int np2, int64_t Dv, const float* const* vr, int64_t jn, const float* P,
@@ -890,11 +939,12 @@ struct BlockScratch {
   float *Qt, *St, *Ot, *Kf, *Vf, *zero_row, *tmp;
   const float** kr;
   const float** vr;
+  const char** next_k;  // narrow tiles: the K rows of the next block (NextRows)
   uint32_t *Qp, *Kp, *Vp, *Pp;  // bf16 pairs (bf16_products)
 };
 inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
 size_t block_scratch_bytes(int64_t D, int64_t Dv) {
-  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D) + 2 * (size_t)round_up(kBk * 8, 64) +
+  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D) + 3 * (size_t)round_up(kBk * 8, 64) +
          floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
          floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv)) +
          floats_bytes(pair_words(D) * kBq) + floats_bytes(kBk * pair_words(D)) +
@@ -912,6 +962,7 @@ BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   sc.tmp = cv.floats(max64(D, Dv));
   sc.kr = reinterpret_cast<const float**>(cv.ints(kBk));
   sc.vr = reinterpret_cast<const float**>(cv.ints(kBk));
+  sc.next_k = reinterpret_cast<const char**>(cv.ints(kBk));
   sc.Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
   sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBk * pair_words(D)));
   sc.Vp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * Dv));
@@ -997,10 +1048,8 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
           sc.vr[jj] = sc.Vf + jj * Dv;
         }
       }
-    narrow_scores_any(st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np);
-    for (int64_t j = 0; j < jn; ++j)  // V rows in flight during the softmax
-      if (sc.vr[j])
-        for (int64_t d = 0; d < Dv; d += 64 / sizeof(float)) __builtin_prefetch(sc.vr[j] + d);
+    narrow_scores_any(st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
+                      NextRows{sc.next_k, D * (f32 ? 4 : 2)}, f32 ? sc.vr : nullptr, Dv * 4);
   } else if (f32) {
     const float* kp = static_cast<const float*>(buf.k);
     for (int64_t r = 0; r < nruns; ++r) {
@@ -1117,6 +1166,22 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
   }
 }
 
+// sc.next_k: the K rows of keys [j1, j1 + kBk) of the tile's kv head (null past its keys or
+// where hidden).
+void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, const BlockScratch& sc) {
+  const SdpaParams& p = *ctx.p;
+  const char* kp = static_cast<const char*>(ctx.buf->k);
+  const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+  for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = nullptr;
+  if (j1 >= st.kb) return;
+  KeyRun runs[kBk];
+  const int64_t nruns = key_runs(p, st.t.b, st.t.hk, j1, min64(kBk, st.kb - j1), runs);
+  for (int64_t r = 0; r < nruns; ++r)
+    if (runs[r].k >= 0)
+      for (int64_t j = 0; j < runs[r].n; ++j)
+        sc.next_k[runs[r].j + j] = kp + (runs[r].k + j * p.k_stride[2]) * item;
+}
+
 // A task is one key share of a group of tiles: the same rows of group_heads consecutive kv
 // heads of one batch row (one head unless decode reads a slot-major cache, where the heads'
 // rows share each key's memory: walking them together streams it in order instead of one
@@ -1147,11 +1212,14 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     memset(sc.zero_row, 0, D * sizeof(float));
     memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));
   }
-  for (int64_t j0 = ka; j0 < kb; j0 += kBk)
+  for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
     for (int64_t h = 0; h < nh; ++h) {
       TileState& st = states[h];
-      if (j0 >= st.ka && j0 < st.kb) tile_block(ctx, st, sc, j0, min64(kBk, st.kb - j0));
+      if (j0 < st.ka || j0 >= st.kb) continue;
+      if (st.narrow) next_block_rows(ctx, st, j0 + kBk, sc);
+      tile_block(ctx, st, sc, j0, min64(kBk, st.kb - j0));
     }
+  }
   const int64_t tile_base = (ctx.tiles - 1 - tile) * BH + b * Hk;
   for (int64_t h = 0; h < nh; ++h) {
     const int64_t tile_task = tile_base + hk0 + h;
