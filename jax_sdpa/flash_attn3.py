@@ -186,19 +186,27 @@ def sequence_runs(q_ids, kv_ids, cap: int):
     B*L tokens, padded with B*L; sequences; the longest; whether the varlen call answers
     the contract: every id's tokens one run in its row, the key's ids the query's, at
     most `cap` runs)."""
+    import jax
     import jax.numpy as jnp
 
     b, length = q_ids.shape
+    total = b * length
     flat = q_ids.reshape(-1)
-    position = jnp.arange(b * length)
+    position = jnp.arange(total)
     starts = (position % length == 0) | (flat != jnp.roll(flat, 1))
     runs = jnp.sum(starts, dtype=jnp.int32)
-    ordered = jnp.sort(q_ids, axis=-1)
-    distinct = b + jnp.sum(ordered[:, 1:] != ordered[:, :-1], dtype=jnp.int32)
-    first = jnp.nonzero(starts, size=cap, fill_value=b * length)[0].astype(jnp.int32)
-    cu = jnp.concatenate([first, jnp.full((1,), b * length, jnp.int32)])
+    first = jnp.nonzero(starts, size=cap, fill_value=total)[0].astype(jnp.int32)
+    cu = jnp.concatenate([first, jnp.full((1,), total, jnp.int32)])
     longest = jnp.max(cu[1:] - cu[:-1])
-    ok = (distinct == runs) & (runs <= cap) & jnp.all(q_ids == kv_ids)
+    # One run per id in its row: no two runs share (row, id). Only the <= cap runs are
+    # sorted, never the B*L ids; the padding entries get rows of their own.
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    real = slot < runs
+    run_row = jnp.where(real, first // length, b + slot)
+    run_id = jnp.where(real, flat[jnp.minimum(first, total - 1)], 0)
+    run_row, run_id = jax.lax.sort((run_row, run_id), num_keys=2)
+    repeated = jnp.any((run_row[1:] == run_row[:-1]) & (run_id[1:] == run_id[:-1]))
+    ok = ~repeated & (runs <= cap) & jnp.all(q_ids == kv_ids)
     return cu, runs, longest, ok
 
 

@@ -154,10 +154,10 @@ ROWS = {
         "many runs of equal ids per batch row (the varlen backward's grid grows with the "
         "sequences it is told: B2 H32/KV8 L8192 causal fwd+bwd 1.57 ms told 16, 2.87 told "
         "64, 7.26 told 256 with L as the longest). Packed B2 H32/KV8 L8192 D128 causal, 8 "
-        "segments: None 0.387 / 1.594 ms fwd / fwd+bwd (355 / 302 TFLOP/s, 0.96 / 0.95 of "
-        "flash-attn3-jax's own varlen call, 0.373 / 1.508, which is told the boundaries), "
-        "cuDNN with the ids as a mask 3.55 / 15.9",
-        "benchmarks/results/h200/peers_packed.json"),
+        "segments: None 0.393 / 1.547 ms fwd / fwd+bwd (0.93 / 0.97 of flash-attn3-jax's own "
+        "varlen call, 0.366 / 1.494, which is told the boundaries), cuDNN with the ids as a "
+        "mask 3.63 / 16.1",
+        "benchmarks/results/h200/peers_all.json"),
 }
 
 XLA_CHUNKED_SCORE_BYTES = ROWS["XLA_CHUNKED_SCORE_BYTES"].value
