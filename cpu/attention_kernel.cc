@@ -62,6 +62,16 @@ inline vf loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, vf v) { memcpy(p, &v, sizeof v); }
+// W row elements as float32 vectors: float32 as they are, bfloat16 (its bits, uint16_t)
+// widened in registers (exact: a bf16 is the top half of a float32).
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+inline vf load_elems(const float* p) { return loadv(p); }
+inline vf load_elems(const uint16_t* p) {
+  vh h;
+  memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
 inline vf select(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 // a > b ? a : b (NaN b stays, NaN a gives b): what MAXPS computes, one instruction.
 #if defined(__AVX512F__)
@@ -723,19 +733,22 @@ inline void prefetch_row(const void* row, int64_t bytes, bool to_l1) {
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(r + x, 0, 2);
 }
 
-template <int NP2>
+// T: the rows' element type (float, or uint16_t for bfloat16 bits read in place).
 // vr: V rows to prefetch into L2 (null: none).
-void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Qr, int64_t Dp,
+template <int NP2, typename T>
+void narrow_scores(int64_t D, const void* const* kr, int64_t jn, const float* Qr, int64_t Dp,
                    const float* zero_row, float* St, int64_t np, const NextRows& nx,
-                   const float* const* vr, int64_t vbytes) {
+                   const void* const* vr, int64_t vbytes) {
   constexpr int KJ = W / NP2;
+  const T* zero = reinterpret_cast<const T*>(zero_row);  // all-zero bits: 0 in either type
   for (int64_t j0 = 0; j0 < jn; j0 += KJ) {
-    const float* rows[KJ];
+    const T* rows[KJ];
 #pragma GCC unroll 16
-    for (int u = 0; u < KJ; ++u) rows[u] = (j0 + u < jn && kr[j0 + u]) ? kr[j0 + u] : zero_row;
+    for (int u = 0; u < KJ; ++u)
+      rows[u] = (j0 + u < jn && kr[j0 + u]) ? static_cast<const T*>(kr[j0 + u]) : zero;
     for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
       if (i < jn) {
-        if (kr[i]) prefetch_row(kr[i], D * 4, false);
+        if (kr[i]) prefetch_row(kr[i], D * (int64_t)sizeof(T), false);
       } else if (i - jn < kBk && nx.k[i - jn]) {
         prefetch_row(nx.k[i - jn], nx.kbytes, false);
       }
@@ -749,7 +762,7 @@ void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Q
     for (int64_t d = 0; d < D; d += W) {
       vf kv[KJ];
 #pragma GCC unroll 16
-      for (int u = 0; u < KJ; ++u) kv[u] = loadv(rows[u] + d);
+      for (int u = 0; u < KJ; ++u) kv[u] = load_elems(rows[u] + d);
 #pragma GCC unroll 8
       for (int c = 0; c < NP2; ++c) {
         const vf qv = loadv(Qr + c * Dp + d);
@@ -765,8 +778,8 @@ void narrow_scores(int64_t D, const float* const* kr, int64_t jn, const float* Q
 }
 
 // Or[c][d0 .. d0 + DVC*W) = alpha[c] * Or[c][..] + sum_j P[j][c] * V row j, c0 <= c < c0 + RP.
-template <int RP, int DVC>
-void narrow_values(int64_t c0, int64_t d0, const float* const* vr, int64_t jn, const float* P,
+template <int RP, int DVC, typename T>
+void narrow_values(int64_t c0, int64_t d0, const void* const* vr, int64_t jn, const float* P,
                    int64_t np, const float* alpha, float* Or, int64_t ldo) {
   vf acc[RP][DVC];
 #pragma GCC unroll 8
@@ -778,7 +791,7 @@ void narrow_values(int64_t c0, int64_t d0, const float* const* vr, int64_t jn, c
     if (!vr[j]) continue;  // hidden: P = 0 and never read
     vf vv[DVC];
 #pragma GCC unroll 16
-    for (int u = 0; u < DVC; ++u) vv[u] = loadv(vr[j] + d0 + u * W);
+    for (int u = 0; u < DVC; ++u) vv[u] = load_elems(static_cast<const T*>(vr[j]) + d0 + u * W);
 #pragma GCC unroll 8
     for (int c = 0; c < RP; ++c) {
       const vf pc = splat(P[j * np + c0 + c]);
@@ -800,51 +813,65 @@ constexpr int rows_per_pass(int np2, int dvc) {
 }
 
 // Columns d0 .. d0 + DVC*W of every row c < NP2, rows_per_pass of them a pass.
-template <int NP2, int DVC>
-void narrow_values_rows(int64_t d0, const float* const* vr, int64_t jn, const float* P,
+template <int NP2, int DVC, typename T>
+void narrow_values_rows(int64_t d0, const void* const* vr, int64_t jn, const float* P,
                         int64_t np, const float* alpha, float* Or, int64_t ldo) {
   constexpr int RP = rows_per_pass(NP2, DVC);
   for (int64_t c0 = 0; c0 < NP2; c0 += RP)
-    narrow_values<RP, DVC>(c0, d0, vr, jn, P, np, alpha, Or, ldo);
+    narrow_values<RP, DVC, T>(c0, d0, vr, jn, P, np, alpha, Or, ldo);
 }
 
 // O rows += P . V, in column chunks of up to kValueAccs vectors. Each pass reads its chunk
 // of every V row in key order, so at D <= kValueAccs * W whole rows in order: passes over
 // the block's rows a few vectors each defeat the hardware prefetcher when V comes from
 // memory (decode), about 2.7x slower reads.
-template <int NP2>
-void narrow_values_all(int64_t Dv, const float* const* vr, int64_t jn, const float* P,
+template <int NP2, typename T>
+void narrow_values_all(int64_t Dv, const void* const* vr, int64_t jn, const float* P,
                        int64_t np, const float* alpha, float* Or, int64_t ldo) {
   int64_t d0 = 0;
   for (; d0 + kValueAccs * W <= Dv; d0 += kValueAccs * W)
-    narrow_values_rows<NP2, kValueAccs>(d0, vr, jn, P, np, alpha, Or, ldo);
+    narrow_values_rows<NP2, kValueAccs, T>(d0, vr, jn, P, np, alpha, Or, ldo);
   if constexpr (kValueAccs > 8)
     for (; d0 + 8 * W <= Dv; d0 += 8 * W)
-      narrow_values_rows<NP2, 8>(d0, vr, jn, P, np, alpha, Or, ldo);
-  for (; d0 + 4 * W <= Dv; d0 += 4 * W) narrow_values_rows<NP2, 4>(d0, vr, jn, P, np, alpha, Or, ldo);
-  for (; d0 < Dv; d0 += W) narrow_values_rows<NP2, 1>(d0, vr, jn, P, np, alpha, Or, ldo);
+      narrow_values_rows<NP2, 8, T>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 + 4 * W <= Dv; d0 += 4 * W) narrow_values_rows<NP2, 4, T>(d0, vr, jn, P, np, alpha, Or, ldo);
+  for (; d0 < Dv; d0 += W) narrow_values_rows<NP2, 1, T>(d0, vr, jn, P, np, alpha, Or, ldo);
 }
 
 int np2_for(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
 
-void narrow_scores_any(int np2, int64_t D, const float* const* kr, int64_t jn, const float* Qr,
+template <typename T>
+void narrow_scores_np2(int np2, int64_t D, const void* const* kr, int64_t jn, const float* Qr,
                        int64_t Dp, const float* zero_row, float* St, int64_t np,
-                       const NextRows& nx, const float* const* vr, int64_t vbytes) {
+                       const NextRows& nx, const void* const* vr, int64_t vbytes) {
   switch (np2) {
-    case 1: return narrow_scores<1>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-    case 2: return narrow_scores<2>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-    case 4: return narrow_scores<(W >= 4 ? 4 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-    default: return narrow_scores<(W >= 8 ? 8 : 1)>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    case 1: return narrow_scores<1, T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    case 2: return narrow_scores<2, T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    case 4: return narrow_scores<(W >= 4 ? 4 : 1), T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    default: return narrow_scores<(W >= 8 ? 8 : 1), T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
   }
 }
-void narrow_values_any(int np2, int64_t Dv, const float* const* vr, int64_t jn, const float* P,
+// bf16: the rows are bfloat16 bits read in place, else float32.
+void narrow_scores_any(bool bf16, int np2, int64_t D, const void* const* kr, int64_t jn,
+                       const float* Qr, int64_t Dp, const float* zero_row, float* St,
+                       int64_t np, const NextRows& nx, const void* const* vr, int64_t vbytes) {
+  if (bf16) return narrow_scores_np2<uint16_t>(np2, D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+  narrow_scores_np2<float>(np2, D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+}
+template <typename T>
+void narrow_values_np2(int np2, int64_t Dv, const void* const* vr, int64_t jn, const float* P,
                        int64_t np, const float* alpha, float* Or, int64_t ldo) {
   switch (np2) {
-    case 1: return narrow_values_all<1>(Dv, vr, jn, P, np, alpha, Or, ldo);
-    case 2: return narrow_values_all<2>(Dv, vr, jn, P, np, alpha, Or, ldo);
-    case 4: return narrow_values_all<(W >= 4 ? 4 : 1)>(Dv, vr, jn, P, np, alpha, Or, ldo);
-    default: return narrow_values_all<(W >= 8 ? 8 : 1)>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 1: return narrow_values_all<1, T>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 2: return narrow_values_all<2, T>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    case 4: return narrow_values_all<(W >= 4 ? 4 : 1), T>(Dv, vr, jn, P, np, alpha, Or, ldo);
+    default: return narrow_values_all<(W >= 8 ? 8 : 1), T>(Dv, vr, jn, P, np, alpha, Or, ldo);
   }
+}
+void narrow_values_any(bool bf16, int np2, int64_t Dv, const void* const* vr, int64_t jn,
+                       const float* P, int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  if (bf16) return narrow_values_np2<uint16_t>(np2, Dv, vr, jn, P, np, alpha, Or, ldo);
+  narrow_values_np2<float>(np2, Dv, vr, jn, P, np, alpha, Or, ldo);
 }
 
 // 16-bit K and V rows of a block's runs converted to float32 rows j of Kf / Vf (zeros
@@ -937,8 +964,8 @@ size_t tile_state_bytes(int64_t D, int64_t Dv) {
 struct BlockScratch {
   KeyRun* runs;
   float *Qt, *St, *Ot, *Kf, *Vf, *zero_row, *tmp;
-  const float** kr;
-  const float** vr;
+  const void** kr;  // narrow tiles: each key's K / V row (float32 or bf16 in place, or
+  const void** vr;  // converted float32 in Kf / Vf; null: hidden)
   const char** next_k;  // narrow tiles: the K rows of the next block (NextRows)
   uint32_t *Qp, *Kp, *Vp, *Pp;  // bf16 pairs (bf16_products)
 };
@@ -960,8 +987,8 @@ BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   sc.Vf = cv.floats(kBk * Dv);
   sc.zero_row = cv.floats(D);
   sc.tmp = cv.floats(max64(D, Dv));
-  sc.kr = reinterpret_cast<const float**>(cv.ints(kBk));
-  sc.vr = reinterpret_cast<const float**>(cv.ints(kBk));
+  sc.kr = reinterpret_cast<const void**>(cv.ints(kBk));
+  sc.vr = reinterpret_cast<const void**>(cv.ints(kBk));
   sc.next_k = reinterpret_cast<const char**>(cv.ints(kBk));
   sc.Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
   sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBk * pair_words(D)));
@@ -1034,22 +1061,26 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
   // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
   // scratch (zeros for hidden runs) and used as one run.
   if (st.narrow) {
-    if (!f32) load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
+    // bfloat16 rows are widened in registers by the narrow kernels; float16 converted here.
+    const bool bf16 = p.dtype == DType::kBF16;
+    const bool in_place = f32 || bf16;
+    const int64_t item = f32 ? 4 : 2;
+    if (!in_place) load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
     for (int64_t r = 0; r < nruns; ++r)
       for (int64_t j = 0; j < runs[r].n; ++j) {
         const int64_t jj = runs[r].j + j;
         if (runs[r].k < 0) {
           sc.kr[jj] = sc.vr[jj] = nullptr;
-        } else if (f32) {
-          sc.kr[jj] = static_cast<const float*>(buf.k) + runs[r].k + j * p.k_stride[2];
-          sc.vr[jj] = static_cast<const float*>(buf.v) + runs[r].v + j * p.v_stride[2];
+        } else if (in_place) {
+          sc.kr[jj] = static_cast<const char*>(buf.k) + (runs[r].k + j * p.k_stride[2]) * item;
+          sc.vr[jj] = static_cast<const char*>(buf.v) + (runs[r].v + j * p.v_stride[2]) * item;
         } else {
           sc.kr[jj] = sc.Kf + jj * D;
           sc.vr[jj] = sc.Vf + jj * Dv;
         }
       }
-    narrow_scores_any(st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
-                      NextRows{sc.next_k, D * (f32 ? 4 : 2)}, f32 ? sc.vr : nullptr, Dv * 4);
+    narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
+                      NextRows{sc.next_k, D * item}, in_place ? sc.vr : nullptr, Dv * item);
   } else if (f32) {
     const float* kp = static_cast<const float*>(buf.k);
     for (int64_t r = 0; r < nruns; ++r) {
@@ -1104,7 +1135,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     storev(alpha + c0, al);
   }
   if (st.narrow) {  // O = alpha * O + P · V
-    narrow_values_any(st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
+    narrow_values_any(p.dtype == DType::kBF16, st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
     return;
   }
   float* Ot = st.Ot;
