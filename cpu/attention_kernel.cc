@@ -673,7 +673,7 @@ constexpr int64_t kNarrow = W < 8 ? W : 8;
 // lanes x of a, b: (x & h) ? a[x] + a[x + h] ... folded so the result holds a's pair sums
 // where bit h of the lane is clear and b's where it is set.
 template <int H>
-inline vf fold(vf a, vf b) {
+__attribute__((always_inline)) inline vf fold(vf a, vf b) {
 #if defined(__clang__)
   // clang has no two-source __builtin_shuffle with a mask vector: the same lanes, one by one
   // (GCC builds, the release ones, take the shuffle below)
@@ -693,7 +693,7 @@ inline vf fold(vf a, vf b) {
 #endif
 }
 template <int H>
-inline void fold_level(vf* v, int n) {
+__attribute__((always_inline)) inline void fold_level(vf* v, int n) {
   for (int i = 0; i < n / 2; ++i) v[i] = fold<H>(v[2 * i], v[2 * i + 1]);
 }
 constexpr int bitrev(int x) {
@@ -701,8 +701,9 @@ constexpr int bitrev(int x) {
   for (int b = 1; b < W; b <<= 1) r = r * 2 + ((x & b) ? 1 : 0);
   return r;
 }
-// Lane x of the result is the sum of the lanes of v[x], x < W (v is overwritten).
-inline vf transpose_sum(vf* v) {
+// Lane x of the result is the sum of the lanes of v[x], x < W (v is overwritten). Always
+// inlined: a call would keep the callers' accumulators in memory, stored every step.
+__attribute__((always_inline)) inline vf transpose_sum(vf* v) {
   vf s[W];
 #pragma GCC unroll 16
   for (int x = 0; x < W; ++x) s[x] = v[bitrev(x)];
@@ -770,8 +771,13 @@ void narrow_scores(int64_t D, const void* const* kr, int64_t jn, const float* Qr
         for (int u = 0; u < KJ; ++u) acc[u * NP2 + c] += kv[u] * qv;
       }
     }
+    // transpose_sum overwrites its array: a copy, so that acc stays in registers in the loop
+    // (handing acc itself kept it in memory, stored every step).
+    vf sums[W];
+#pragma GCC unroll 16
+    for (int s = 0; s < W; ++s) sums[s] = acc[s];
     float lanes[W];
-    storev(lanes, transpose_sum(acc));
+    storev(lanes, transpose_sum(sums));
     for (int u = 0; u < KJ && j0 + u < jn; ++u)
       memcpy(St + (j0 + u) * np, lanes + u * NP2, NP2 * sizeof(float));
   }
@@ -874,6 +880,200 @@ void narrow_values_any(bool bf16, int np2, int64_t Dv, const void* const* vr, in
   narrow_values_np2<float>(np2, Dv, vr, jn, P, np, alpha, Or, ldo);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 narrow tiles on CPUs with AVX512-BF16: both products by VDPBF16PS, half the
+// instructions of widening each element (the float32 FMAs of the widened rows left decode
+// compute-bound at about half the read bandwidth). Scores pair K and Q along d: Qb holds the
+// tile's query rows as bf16 pairs (exact: they are bf16 values), rows of ldq words
+// zero-padded to a multiple of 32 elements. The values pass pairs keys: two V rows
+// interleaved per 128-bit lane (a fixed column order, undone where O is loaded and stored)
+// times their probabilities rounded to bf16, after the online softmax summed them unrounded.
+constexpr int64_t kBf16Vec = 2 * W;  // bf16 elements in a vector
+
+template <int NP2>
+void narrow_scores_bf16(int64_t D, const void* const* kr, int64_t jn, const uint32_t* Qb,
+                        int64_t ldq, const float* zero_row, float* St, int64_t np,
+                        const NextRows& nx, const void* const* vr, int64_t vbytes) {
+  constexpr int KJ = W / NP2;
+  const uint16_t* zero = reinterpret_cast<const uint16_t*>(zero_row);
+  const int64_t full = D / kBf16Vec * kBf16Vec;
+  const __mmask32 half = (__mmask32)((1ull << (D - full)) - 1);  // a last partial vector
+  for (int64_t j0 = 0; j0 < jn; j0 += KJ) {
+    const uint16_t* rows[KJ];
+#pragma GCC unroll 16
+    for (int u = 0; u < KJ; ++u)
+      rows[u] = (j0 + u < jn && kr[j0 + u]) ? static_cast<const uint16_t*>(kr[j0 + u]) : zero;
+    for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
+      if (i < jn) {
+        if (kr[i]) prefetch_row(kr[i], D * 2, false);
+      } else if (i - jn < kBk && nx.k[i - jn]) {
+        prefetch_row(nx.k[i - jn], nx.kbytes, false);
+      }
+    }
+    if (vr)
+      for (int64_t u = j0; u < min64(jn, j0 + KJ); ++u)
+        if (vr[u]) prefetch_row(vr[u], vbytes, false);
+    __m512 acc[W];
+#pragma GCC unroll 16
+    for (int s = 0; s < W; ++s) acc[s] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += kBf16Vec) {
+      __m512bh kv[KJ];
+      if (d < full) {
+#pragma GCC unroll 16
+        for (int u = 0; u < KJ; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(rows[u] + d);
+      } else {
+#pragma GCC unroll 16
+        for (int u = 0; u < KJ; ++u) kv[u] = (__m512bh)_mm512_maskz_loadu_epi16(half, rows[u] + d);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < NP2; ++c) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(Qb + c * ldq + d / 2);
+#pragma GCC unroll 16
+        for (int u = 0; u < KJ; ++u)
+          acc[u * NP2 + c] = _mm512_dpbf16_ps(acc[u * NP2 + c], kv[u], qv);
+      }
+    }
+    vf sums[W];  // as in narrow_scores
+#pragma GCC unroll 16
+    for (int s = 0; s < W; ++s) sums[s] = (vf)acc[s];
+    float lanes[W];
+    storev(lanes, transpose_sum(sums));
+    for (int u = 0; u < KJ && j0 + u < jn; ++u)
+      memcpy(St + (j0 + u) * np, lanes + u * NP2, NP2 * sizeof(float));
+  }
+}
+
+// Or[c][d0 .. d0 + DVC * kBf16Vec) = alpha[c] * Or[c][..] + sum_j P[j][c] * V row j for
+// c0 <= c < c0 + RP, keys in pairs (Pp[q][c]: the bf16 pair of keys 2q, 2q + 1). Half: one
+// chunk of W columns (the last of a Dv that is an odd multiple of W).
+template <int RP, int DVC, bool Half>
+void narrow_values_bf16(int64_t c0, int64_t d0, const void* const* vr, int64_t jn,
+                        const uint32_t* Pp, int64_t np, const float* alpha, float* Or,
+                        int64_t ldo, const uint16_t* zero) {
+  // unpacklo / unpackhi of two rows hold columns 0-3, 8-11, 16-19, 24-27 / 4-7, 12-15, ...
+  const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i from_lo_hi_0 =  // natural columns 0-15 from (lo, hi)
+      _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i from_lo_hi_1 =  // natural columns 16-31
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const __mmask32 cols = Half ? 0xFFFFu : 0xFFFFFFFFu;
+  __m512 acc[RP][DVC][2];
+#pragma GCC unroll 8
+  for (int c = 0; c < RP; ++c) {
+    const __m512 a = _mm512_set1_ps(alpha[c0 + c]);
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) {
+      const float* o = Or + (c0 + c) * ldo + d0 + u * kBf16Vec;
+      const __m512 n0 = _mm512_loadu_ps(o);
+      const __m512 n1 = Half ? _mm512_setzero_ps() : _mm512_loadu_ps(o + W);
+      acc[c][u][0] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_lo, n1), a);
+      acc[c][u][1] = _mm512_mul_ps(_mm512_permutex2var_ps(n0, to_hi, n1), a);
+    }
+  }
+  for (int64_t q = 0; 2 * q < jn; ++q) {
+    const void* ra = vr[2 * q];
+    const void* rb = 2 * q + 1 < jn ? vr[2 * q + 1] : nullptr;
+    if (!ra && !rb) continue;  // hidden: P = 0 and never read
+    const uint16_t* va = ra ? static_cast<const uint16_t*>(ra) : zero;
+    const uint16_t* vb = rb ? static_cast<const uint16_t*>(rb) : zero;
+    __m512bh pc[RP];
+#pragma GCC unroll 8
+    for (int c = 0; c < RP; ++c) pc[c] = (__m512bh)_mm512_set1_epi32((int)Pp[q * np + c0 + c]);
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) {
+      const __m512i a = _mm512_maskz_loadu_epi16(cols, va + d0 + u * kBf16Vec);
+      const __m512i b = _mm512_maskz_loadu_epi16(cols, vb + d0 + u * kBf16Vec);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+      for (int c = 0; c < RP; ++c) {
+        acc[c][u][0] = _mm512_dpbf16_ps(acc[c][u][0], lo, pc[c]);
+        acc[c][u][1] = _mm512_dpbf16_ps(acc[c][u][1], hi, pc[c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < RP; ++c)
+#pragma GCC unroll 8
+    for (int u = 0; u < DVC; ++u) {
+      float* o = Or + (c0 + c) * ldo + d0 + u * kBf16Vec;
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[c][u][0], from_lo_hi_0, acc[c][u][1]));
+      if (!Half)
+        _mm512_storeu_ps(o + W, _mm512_permutex2var_ps(acc[c][u][0], from_lo_hi_1, acc[c][u][1]));
+    }
+}
+
+// Columns d0 .. of every row c < NP2 for DVC chunks, as many rows a pass as kValueAccs
+// accumulators (two a chunk) allow.
+template <int NP2, int DVC, bool Half>
+void narrow_values_bf16_rows(int64_t d0, const void* const* vr, int64_t jn, const uint32_t* Pp,
+                             int64_t np, const float* alpha, float* Or, int64_t ldo,
+                             const uint16_t* zero) {
+  constexpr int RP = rows_per_pass(NP2, 2 * DVC);
+  for (int64_t c0 = 0; c0 < NP2; c0 += RP)
+    narrow_values_bf16<RP, DVC, Half>(c0, d0, vr, jn, Pp, np, alpha, Or, ldo, zero);
+}
+
+// O rows += P . V, up to kValueAccs / 2 chunks a pass (as the float32 kernel: each pass
+// reads its columns of every V row in key order, whole rows up to Dv = 256).
+template <int NP2>
+void narrow_values_bf16_all(int64_t Dv, const void* const* vr, int64_t jn, const uint32_t* Pp,
+                            int64_t np, const float* alpha, float* Or, int64_t ldo,
+                            const uint16_t* zero) {
+  constexpr int kChunks = kValueAccs / 2;
+  int64_t d0 = 0;
+  for (; d0 + kBf16Vec <= Dv;) {
+    const int64_t n = min64(kChunks, (Dv - d0) / kBf16Vec);
+    switch (n) {
+#define JAX_SDPA_BF16_VALUES_CASE(k) \
+  case k: narrow_values_bf16_rows<NP2, k, false>(d0, vr, jn, Pp, np, alpha, Or, ldo, zero); break;
+      JAX_SDPA_BF16_VALUES_CASE(1) JAX_SDPA_BF16_VALUES_CASE(2) JAX_SDPA_BF16_VALUES_CASE(3)
+      JAX_SDPA_BF16_VALUES_CASE(4) JAX_SDPA_BF16_VALUES_CASE(5) JAX_SDPA_BF16_VALUES_CASE(6)
+      JAX_SDPA_BF16_VALUES_CASE(7) default: JAX_SDPA_BF16_VALUES_CASE(8)
+#undef JAX_SDPA_BF16_VALUES_CASE
+    }
+    d0 += n * kBf16Vec;
+  }
+  if (d0 < Dv) narrow_values_bf16_rows<NP2, 1, true>(d0, vr, jn, Pp, np, alpha, Or, ldo, zero);
+}
+
+void narrow_scores_bf16_np2(int np2, int64_t D, const void* const* kr, int64_t jn,
+                            const uint32_t* Qb, int64_t ldq, const float* zero_row, float* St,
+                            int64_t np, const NextRows& nx, const void* const* vr,
+                            int64_t vbytes) {
+  switch (np2) {
+    case 1: return narrow_scores_bf16<1>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
+    case 2: return narrow_scores_bf16<2>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
+    case 4: return narrow_scores_bf16<4>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
+    default: return narrow_scores_bf16<8>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
+  }
+}
+void narrow_values_bf16_np2(int np2, int64_t Dv, const void* const* vr, int64_t jn,
+                            const uint32_t* Pp, int64_t np, const float* alpha, float* Or,
+                            int64_t ldo, const uint16_t* zero) {
+  switch (np2) {
+    case 1: return narrow_values_bf16_all<1>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
+    case 2: return narrow_values_bf16_all<2>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
+    case 4: return narrow_values_bf16_all<4>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
+    default: return narrow_values_bf16_all<8>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
+  }
+}
+
+// Qb[c][w] = the bf16 pair (Qr[c][2w], Qr[c][2w + 1]) of the float32 rows Qr [np2][D] that
+// hold bf16 values (truncation is exact), rows of ldq words zero-padded.
+void pack_q_rows_bf16(const float* Qr, int64_t D, int np2, uint32_t* Qb, int64_t ldq) {
+  for (int c = 0; c < np2; ++c)
+    for (int64_t w = 0; w < ldq; ++w) {
+      const uint32_t lo = 2 * w < D ? f32_to_bits(Qr[c * D + 2 * w]) >> 16 : 0u;
+      const uint32_t hi = 2 * w + 1 < D ? f32_to_bits(Qr[c * D + 2 * w + 1]) >> 16 : 0u;
+      Qb[c * ldq + w] = lo | hi << 16;
+    }
+}
+#endif  // __AVX512BF16__
+// Words of a bf16 pair row of the narrow bf16 products (D rounded up to whole vectors).
+inline int64_t narrow_pair_words(int64_t D) { return round_up(D, 2 * W) / 2; }
+
 // 16-bit K and V rows of a block's runs converted to float32 rows j of Kf / Vf (zeros
 // for hidden runs: never read).
 void load_block_rows(const SdpaParams& p, const SdpaFwdBuffers& buf, const KeyRun* runs,
@@ -952,12 +1152,14 @@ struct TileState {
   bool narrow;
   int np2;
   float *Qr, *Or, *Ot, *m, *l, *alpha;
+  uint32_t* Qb;  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
   int64_t ka, kb;
   float* O() const { return narrow ? Or : Ot; }
 };
 size_t tile_state_bytes(int64_t D, int64_t Dv) {
   return 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
-         floats_bytes(W * D) + floats_bytes(W * Dv) + 3 * floats_bytes(kBq);
+         floats_bytes(W * D) + floats_bytes(W * Dv) + 3 * floats_bytes(kBq) +
+         floats_bytes(W * narrow_pair_words(D));
 }
 
 // What a task reuses for every block of every tile it runs.
@@ -971,7 +1173,8 @@ struct BlockScratch {
 };
 inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
 size_t block_scratch_bytes(int64_t D, int64_t Dv) {
-  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(D) + 3 * (size_t)round_up(kBk * 8, 64) +
+  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(max64(D, Dv)) +
+         3 * (size_t)round_up(kBk * 8, 64) +
          floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
          floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv)) +
          floats_bytes(pair_words(D) * kBq) + floats_bytes(kBk * pair_words(D)) +
@@ -985,7 +1188,7 @@ BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   sc.Ot = cv.floats(Dv * kBq);
   sc.Kf = cv.floats(kBk * D);
   sc.Vf = cv.floats(kBk * Dv);
-  sc.zero_row = cv.floats(D);
+  sc.zero_row = cv.floats(max64(D, Dv));  // a K or V row of zeros, float32 or bf16
   sc.tmp = cv.floats(max64(D, Dv));
   sc.kr = reinterpret_cast<const void**>(cv.ints(kBk));
   sc.vr = reinterpret_cast<const void**>(cv.ints(kBk));
@@ -1019,6 +1222,7 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   st->m = cv.floats(kBq);
   st->l = cv.floats(kBq);
   st->alpha = cv.floats(kBq);
+  st->Qb = reinterpret_cast<uint32_t*>(cv.floats(W * narrow_pair_words(D)));
   setup_tile(p, &t);
   // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
   st->narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
@@ -1038,6 +1242,8 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
     pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
 #if defined(__AVX512BF16__)
     if (bf16_products(p) && !st->narrow) pack_q_pairs(sc.Qt, D, t.np, sc.Qp);
+    if (bf16_products(p) && st->narrow)
+      pack_q_rows_bf16(st->Qr, D, st->np2, st->Qb, narrow_pair_words(D));
 #endif
   }
 }
@@ -1079,8 +1285,14 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
           sc.vr[jj] = sc.Vf + jj * Dv;
         }
       }
-    narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
-                      NextRows{sc.next_k, D * item}, in_place ? sc.vr : nullptr, Dv * item);
+#if defined(__AVX512BF16__)
+    if (bf16)
+      narrow_scores_bf16_np2(st.np2, D, sc.kr, jn, st.Qb, narrow_pair_words(D), sc.zero_row, St,
+                             np, NextRows{sc.next_k, D * item}, sc.vr, Dv * item);
+    else
+#endif
+      narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
+                        NextRows{sc.next_k, D * item}, in_place ? sc.vr : nullptr, Dv * item);
   } else if (f32) {
     const float* kp = static_cast<const float*>(buf.k);
     for (int64_t r = 0; r < nruns; ++r) {
@@ -1135,6 +1347,14 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     storev(alpha + c0, al);
   }
   if (st.narrow) {  // O = alpha * O + P · V
+#if defined(__AVX512BF16__)
+    if (bf16_products(p)) {
+      pack_p_pairs(St, jn, np, sc.Pp);
+      narrow_values_bf16_np2(st.np2, Dv, sc.vr, jn, sc.Pp, np, alpha, st.Or, Dv,
+                             reinterpret_cast<const uint16_t*>(sc.zero_row));
+      return;
+    }
+#endif
     narrow_values_any(p.dtype == DType::kBF16, st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
     return;
   }
@@ -1240,7 +1460,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     kb = max64(kb, states[h].kb);
   }
   if (narrow) {
-    memset(sc.zero_row, 0, D * sizeof(float));
+    memset(sc.zero_row, 0, max64(D, Dv) * sizeof(float));
     memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));
   }
   for (int64_t j0 = ka; j0 < kb; j0 += kBk) {

@@ -524,3 +524,70 @@ def test_bf16_forward_and_backward_match_float64(shape, case, rng):
                          dout.astype(np.float64), **ow)
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert _rel(g, wg[name]) <= 8e-3, name
+
+
+BF16_DECODE_SHAPES = [  # b, hq, hk, lq, lk, d, dv: decode-shaped tiles (at most 8 rows)
+    (1, 8, 2, 1, 300, 48, 48),      # D an odd multiple of 16: a half vector of bf16 pairs
+    (2, 8, 1, 1, 257, 128, 80),     # 8 rows; Dv = 2.5 vectors of pairs; odd key count
+    (1, 4, 4, 2, 77, 16, 16),       # one head a kv head, two queries
+    (1, 16, 4, 1, 1100, 256, 256),  # Dv = 8 vectors of pairs in one pass; keys split
+    (1, 6, 3, 1, 65, 64, 112),      # Dv != D
+]
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "softcap"])
+@pytest.mark.parametrize("seq_major", [False, True], ids=["bhld", "blhd"])
+@pytest.mark.parametrize("shape", BF16_DECODE_SHAPES,
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}v{}".format(*s))
+def test_bf16_decode_tiles_match_float64(shape, seq_major, case, rng):
+    """bfloat16 decode-shaped tiles: on the x86-64-v4-bf16 variant both products run by
+    VDPBF16PS (K and Q paired along d, two keys' V rows paired with their probabilities
+    rounded to bf16); elsewhere the rows are widened. Either way the output is within a few
+    of its own bf16 roundings of the float64 oracle, with lengths, sinks, a bool mask or the
+    soft cap; a NaN key reaches only its kv head's rows."""
+    b, hq, hk, lq, lk, d, dv = shape
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    q, k, v = (np.array(bf(_normal(rng, *s)).astype(jnp.float32))
+               for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
+    kvl = np.array([lk - 2] + [lk] * (b - 1), np.int32)
+    sinks = _normal(rng, 1, hq)
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks)
+    ow = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks[0].astype(np.float64))
+    extra = {}
+    if case == "causal":
+        kw.update(window_right=0, bottom_right=True)
+        ow.update(window_right=0, bottom_right=True)
+    elif case == "mask":
+        mask = rng.random((b, 1, lq, lk)) < 0.6
+        extra = dict(mask=jnp.asarray(mask))
+        ow.update(mask=mask)
+    elif case == "softcap":
+        q = q * 4  # logits the cap bends
+        kw.update(logits_soft_cap=5.0)
+        ow.update(logits_soft_cap=5.0)
+    k[0, 0, lk - 1] = np.nan  # past row 0's length: never read
+    v[0, 0, lk - 1] = np.nan
+    want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
+                                    v.astype(np.float64), **ow)
+    layout = (lambda x: x.transpose(0, 2, 1, 3)) if seq_major else (lambda x: x)
+    operands, attrs = ffi_call_args(**kw, **extra, seq_major=seq_major)
+    out_shape = layout(np.zeros((b, hq, lq, dv), np.float32)).shape
+    results = (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+               jax.ShapeDtypeStruct((b, hq, lq), jnp.float32))
+    call = jax.ffi.ffi_call("jax_sdpa_cpu_fwd", results)
+    out, lse = jax.jit(lambda *a: call(*a, **attrs))(*(bf(layout(x)) for x in (q, k, v)),
+                                                      *operands)
+    out = layout(np.asarray(out.astype(jnp.float32)))
+    # The output's own rounding to bf16 is 2^-9 relative; P's rounding adds less.
+    assert _rel(out, want) <= 6e-3
+    fin = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], rtol=0, atol=1e-4)
+    if case == "plain" and b > 1:  # a NaN key in row 1's range reaches kv head 0's rows only
+        k[1, 0, 3] = np.nan
+        out, _ = jax.jit(lambda *a: call(*a, **attrs))(*(bf(layout(x)) for x in (q, k, v)),
+                                                        *operands)
+        out = layout(np.asarray(out.astype(jnp.float32)))
+        g = hq // hk
+        assert np.isnan(out[1, :g]).all() and np.isfinite(out[1, g:]).all()
+        assert np.isfinite(out[0]).all()
