@@ -1,0 +1,389 @@
+// The forward: a tile's online softmax over key blocks, split-key merges, forward tasks.
+// Part of the CPU kernel: attention_kernel.cc includes it inside its ISA variant's namespace
+// (one translation unit a variant); not a header of its own.
+#pragma once
+
+// ---- forward ----------------------------------------------------------------------
+struct FwdCtx {
+  const SdpaParams* p;
+  const SdpaFwdBuffers* buf;
+  Arena arena;
+  SegBlocks segs;
+  int64_t tiles;  // per (b, hk)
+  int64_t group_heads = 1;  // kv heads a task walks together (fwd_task)
+  // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
+  // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
+  // state in part; the share that finishes last (done[tile] counts them) merges them.
+  int64_t nsplit = 1;
+  int64_t part_floats = 0;  // per share: m, l (kBq each), O (kBq * Dv)
+  float* part = nullptr;
+  int64_t* done = nullptr;
+};
+
+// The softmax state of one tile: row maxima m, sums l, unnormalized O (narrow: rows of Dv,
+// else transposed [Dv][np]).
+void merge_shares(const FwdCtx& ctx, int64_t tile_id, const Tile& t, bool narrow, float* m,
+                  float* l, float* O) {
+  const int64_t Dv = ctx.p->head_dim_v, np = t.np, ns = ctx.nsplit;
+  const float* base = ctx.part + tile_id * ns * ctx.part_floats;
+  for (int64_t c = 0; c < t.n; ++c) {
+    float M = -INFINITY;
+    bool nan = false;
+    for (int64_t s = 0; s < ns; ++s) {
+      const float ms = base[s * ctx.part_floats + c];
+      nan |= ms != ms;
+      M = ms > M ? ms : M;
+    }
+    if (nan) M = NAN;
+    const float mu = M == -INFINITY ? 0.0f : M;
+    float lsum = 0.0f;
+    for (int64_t d = 0; d < Dv; ++d) O[narrow ? c * Dv + d : d * np + c] = 0.0f;
+    for (int64_t s = 0; s < ns; ++s) {
+      const float* sh = base + s * ctx.part_floats;
+      const float f = expf(sh[c] - mu);  // 0 for a share that saw nothing
+      if (f == 0.0f) continue;
+      lsum += sh[kBq + c] * f;
+      const float* Os = sh + 2 * kBq;
+      for (int64_t d = 0; d < Dv; ++d) {
+        const int64_t x = narrow ? c * Dv + d : d * np + c;
+        O[x] += Os[x] * f;
+      }
+    }
+    m[c] = M;
+    l[c] = nan ? NAN : lsum;
+  }
+}
+
+// A tile's softmax state: its rows, maxima m, sums l, the last block's rescale alpha and its
+// unnormalized O (narrow: rows of Dv in Or, queries in Qr; else transposed [Dv][np] in the
+// task's Ot, queries in its Qt), and the keys [ka, kb) of its share.
+struct TileState {
+  Tile t;
+  bool narrow;
+  int np2;
+  float *Qr, *Or, *Ot, *m, *l, *alpha;
+  uint32_t* Qb;  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
+  int64_t ka, kb;
+  float* O() const { return narrow ? Or : Ot; }
+};
+size_t tile_state_bytes(int64_t D, int64_t Dv) {
+  return 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
+         floats_bytes(W * D) + floats_bytes(W * Dv) + 3 * floats_bytes(kBq) +
+         floats_bytes(W * narrow_pair_words(D));
+}
+
+// What a task reuses for every block of every tile it runs.
+struct BlockScratch {
+  KeyRun* runs;
+  float *Qt, *St, *Ot, *Kf, *Vf, *zero_row, *tmp;
+  const void** kr;  // narrow tiles: each key's K / V row (float32 or bf16 in place, or
+  const void** vr;  // converted float32 in Kf / Vf; null: hidden)
+  const char** next_k;  // narrow tiles: the K rows of the next block (NextRows)
+  uint32_t *Qp, *Kp, *Vp, *Pp;  // bf16 pairs (bf16_products)
+};
+inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
+size_t block_scratch_bytes(int64_t D, int64_t Dv) {
+  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(max64(D, Dv)) +
+         3 * (size_t)round_up(kBk * 8, 64) +
+         floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
+         floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv)) +
+         floats_bytes(pair_words(D) * kBq) + floats_bytes(kBk * pair_words(D)) +
+         floats_bytes(kBk / 2 * Dv) + floats_bytes(kBk / 2 * kBq);
+}
+BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
+  BlockScratch sc;
+  sc.runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBk));
+  sc.Qt = cv.floats(D * kBq);
+  sc.St = cv.floats(kBk * kBq);
+  sc.Ot = cv.floats(Dv * kBq);
+  sc.Kf = cv.floats(kBk * D);
+  sc.Vf = cv.floats(kBk * Dv);
+  sc.zero_row = cv.floats(max64(D, Dv));  // a K or V row of zeros, float32 or bf16
+  sc.tmp = cv.floats(max64(D, Dv));
+  sc.kr = reinterpret_cast<const void**>(cv.ints(kBk));
+  sc.vr = reinterpret_cast<const void**>(cv.ints(kBk));
+  sc.next_k = reinterpret_cast<const char**>(cv.ints(kBk));
+  sc.Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
+  sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBk * pair_words(D)));
+  sc.Vp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * Dv));
+  sc.Pp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * kBq));
+  return sc;
+}
+
+// Sets up the tile of rows tile * kBq .. of (b, hk) for key share `share`: its rows, the sinks
+// as a first softmax column, O = 0 and its packed queries.
+void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t share,
+                Carver& cv, const BlockScratch& sc, TileState* st) {
+  const SdpaParams& p = *ctx.p;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  Tile& t = st->t;
+  t.b = b;
+  t.hk = hk;
+  t.r0 = tile * kBq;
+  t.n = min64(kBq, p.len_q * p.group() - t.r0);
+  t.col_i = cv.ints(kBq);
+  t.col_h = cv.ints(kBq);
+  t.kf = cv.ints(kBq);
+  t.kl = cv.ints(kBq);
+  t.qseg = cv.i32(kBq);
+  st->Qr = cv.floats(W * D);
+  st->Or = cv.floats(W * Dv);
+  st->Ot = sc.Ot;
+  st->m = cv.floats(kBq);
+  st->l = cv.floats(kBq);
+  st->alpha = cv.floats(kBq);
+  st->Qb = reinterpret_cast<uint32_t*>(cv.floats(W * narrow_pair_words(D)));
+  setup_tile(p, &t);
+  // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
+  st->narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
+  st->np2 = np2_for(t.n);
+  for (int64_t c = 0; c < t.np; ++c) {
+    bool sink = share == 0 && p.sinks && c < t.n && t.col_i[c] < t.qlen;
+    // A sink is one more softmax column with logit sinks[h] and no value.
+    st->m[c] = sink ? p.sinks[t.b * p.sinks_batch_stride + t.col_h[c]] : -INFINITY;
+    st->l[c] = sink ? 1.0f : 0.0f;
+  }
+  memset(st->O(), 0, Dv * (st->narrow ? st->np2 : t.np) * sizeof(float));
+  // This share of the tile's key blocks.
+  const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + kBk - 1) / kBk : 0;
+  st->ka = t.KF + share * nblk / ctx.nsplit * kBk;
+  st->kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
+  if (st->kb > st->ka) {
+    pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
+#if defined(__AVX512BF16__)
+    if (bf16_products(p) && !st->narrow) pack_q_pairs(sc.Qt, D, t.np, sc.Qp);
+    if (bf16_products(p) && st->narrow)
+      pack_q_rows_bf16(st->Qr, D, st->np2, st->Qb, narrow_pair_words(D));
+#endif
+  }
+}
+
+// Folds keys [j0, j0 + jn) into the tile's softmax state. Narrow tiles need the task's St
+// zeroed once (its padding columns stay finite) and sc.zero_row = 0.
+void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_t j0,
+                int64_t jn) {
+  const SdpaParams& p = *ctx.p;
+  const SdpaFwdBuffers& buf = *ctx.buf;
+  const Tile& t = st.t;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, np = t.np;
+  float* St = sc.St;
+  const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
+  if (seg == SegCover::kNone) return;  // no query of the tile meets a key of the block
+  const int64_t nruns = key_runs(p, t.b, t.hk, j0, jn, sc.runs);
+  const KeyRun* runs = sc.runs;
+  bool hidden_runs = false;
+  for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
+  const bool f32 = p.dtype == DType::kF32;
+  // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
+  // scratch (zeros for hidden runs) and used as one run.
+  if (st.narrow) {
+    // bfloat16 rows are widened in registers by the narrow kernels; float16 converted here.
+    const bool bf16 = p.dtype == DType::kBF16;
+    const bool in_place = f32 || bf16;
+    const int64_t item = f32 ? 4 : 2;
+    if (!in_place) load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
+    for (int64_t r = 0; r < nruns; ++r)
+      for (int64_t j = 0; j < runs[r].n; ++j) {
+        const int64_t jj = runs[r].j + j;
+        if (runs[r].k < 0) {
+          sc.kr[jj] = sc.vr[jj] = nullptr;
+        } else if (in_place) {
+          sc.kr[jj] = static_cast<const char*>(buf.k) + (runs[r].k + j * p.k_stride[2]) * item;
+          sc.vr[jj] = static_cast<const char*>(buf.v) + (runs[r].v + j * p.v_stride[2]) * item;
+        } else {
+          sc.kr[jj] = sc.Kf + jj * D;
+          sc.vr[jj] = sc.Vf + jj * Dv;
+        }
+      }
+#if defined(__AVX512BF16__)
+    if (bf16)
+      narrow_scores_bf16_np2(st.np2, D, sc.kr, jn, st.Qb, narrow_pair_words(D), sc.zero_row, St,
+                             np, NextRows{sc.next_k, D * item}, sc.vr, Dv * item);
+    else
+#endif
+      narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
+                        NextRows{sc.next_k, D * item}, in_place ? sc.vr : nullptr, Dv * item);
+  } else if (f32) {
+    const float* kp = static_cast<const float*>(buf.k);
+    for (int64_t r = 0; r < nruns; ++r) {
+      if (runs[r].k < 0) continue;
+      gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, sc.Qt, np, St + runs[r].j * np,
+           np, false);
+    }
+#if defined(__AVX512BF16__)
+  } else if (bf16_products(p)) {  // K and V rows as bf16 pairs, hidden ones zero
+    const uint16_t *krow[kBk], *vrow[kBk];
+    const uint16_t* kp = static_cast<const uint16_t*>(buf.k);
+    const uint16_t* vp = static_cast<const uint16_t*>(buf.v);
+    for (int64_t r = 0; r < nruns; ++r)
+      for (int64_t j = 0; j < runs[r].n; ++j) {
+        const bool hidden = runs[r].k < 0;
+        krow[runs[r].j + j] = hidden ? nullptr : kp + runs[r].k + j * p.k_stride[2];
+        vrow[runs[r].j + j] = hidden ? nullptr : vp + runs[r].v + j * p.v_stride[2];
+      }
+    pack_kv_pairs(krow, vrow, jn, D, Dv, sc.Kp, sc.Vp);
+    gemm_bf16(jn, np, pair_words(D), sc.Kp, pair_words(D), 1, sc.Qp, np, St, np, false);
+#endif
+  } else {
+    load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
+    gemm(jn, np, D, sc.Kf, D, 1, sc.Qt, np, St, np, false);
+  }
+  scale_and_mask(p, t, j0, jn, St, seg, nullptr);
+  if (hidden_runs)
+    for (int64_t r = 0; r < nruns; ++r)
+      if (runs[r].k < 0)
+        for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x) St[x] = -INFINITY;
+  float *m = st.m, *l = st.l, *alpha = st.alpha;
+  // Block maxima, key by key in order for each query; all of the tile's vectors in one pass
+  // (one vector at a time would wait on each max's latency).
+  vf bmax[kBq / W];
+  for (int64_t v = 0; v < np / W; ++v) bmax[v] = splat(-INFINITY);
+  for (int64_t j = 0; j < jn; ++j)
+    for (int64_t v = 0; v < np / W; ++v) bmax[v] = vmax(bmax[v], loadv(St + j * np + v * W));
+  for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
+    vf mx = bmax[c0 / W];
+    vf mo = loadv(m + c0);
+    vf mn = vmax(mo, mx);
+    vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
+    vf al = vexp(mo - mu);
+    vf sum = vf{};
+    for (int64_t j = 0; j < jn; ++j) {
+      vf e = vexp(loadv(St + j * np + c0) - mu);
+      storev(St + j * np + c0, e);
+      sum += e;
+    }
+    storev(l + c0, loadv(l + c0) * al + sum);
+    storev(m + c0, mn);
+    storev(alpha + c0, al);
+  }
+  if (st.narrow) {  // O = alpha * O + P · V
+#if defined(__AVX512BF16__)
+    if (bf16_products(p)) {
+      pack_p_pairs(St, jn, np, sc.Pp);
+      narrow_values_bf16_np2(st.np2, Dv, sc.vr, jn, sc.Pp, np, alpha, st.Or, Dv,
+                             reinterpret_cast<const uint16_t*>(sc.zero_row));
+      return;
+    }
+#endif
+    narrow_values_any(p.dtype == DType::kBF16, st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
+    return;
+  }
+  float* Ot = st.Ot;
+  for (int64_t d = 0; d < Dv; ++d)
+    for (int64_t c0 = 0; c0 < np; c0 += W)
+      storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
+  // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
+  if (f32) {
+    const float* vp = static_cast<const float*>(buf.v);
+    for (int64_t r = 0; r < nruns; ++r) {
+      if (runs[r].k < 0) continue;
+      gemm(Dv, np, runs[r].n, vp + runs[r].v, 1, p.v_stride[2], St + runs[r].j * np, np, Ot, np,
+           true);
+    }
+#if defined(__AVX512BF16__)
+  } else if (bf16_products(p)) {
+    pack_p_pairs(St, jn, np, sc.Pp);
+    gemm_bf16(Dv, np, pair_words(jn), sc.Vp, 1, Dv, sc.Pp, np, Ot, np, true);
+#endif
+  } else {
+    gemm(Dv, np, jn, sc.Vf, 1, Dv, St, np, Ot, np, true);
+  }
+}
+
+// Writes the tile's rows (out = O / l, lse = m + log l) once its last share is in. task: this
+// share's task id, tile_task: the tile's (tile_task * nsplit + share = task).
+void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_t task,
+                 int64_t tile_task) {
+  const SdpaParams& p = *ctx.p;
+  const Tile& t = st.t;
+  const int64_t Dv = p.head_dim_v;
+  float *m = st.m, *l = st.l, *O = st.O(), *tmp = sc.tmp;
+  const bool narrow = st.narrow;
+  if (ctx.nsplit > 1) {  // leave this share's state; the last share of the tile merges
+    float* mine = ctx.part + task * ctx.part_floats;
+    memcpy(mine, m, t.n * sizeof(float));
+    memcpy(mine + kBq, l, t.n * sizeof(float));
+    memcpy(mine + 2 * kBq, O, Dv * (narrow ? st.np2 : t.np) * sizeof(float));
+    if (__atomic_add_fetch(&ctx.done[tile_task], 1, __ATOMIC_ACQ_REL) != ctx.nsplit) return;
+    merge_shares(ctx, tile_task, t, narrow, m, l, O);
+  }
+  // Nothing visible (l == 0) -> 0 and -inf. A NaN score made l NaN: the row is NaN (l > 0
+  // would call it empty).
+  for (int64_t c = 0; c < t.n; ++c) {
+    const int64_t i = t.col_i[c], h = t.col_h[c];
+    const int64_t oidx = t.b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+    float* lse = ctx.buf->lse + (t.b * p.heads_q + h) * p.len_q + i;
+    const bool live = i < t.qlen && l[c] != 0.0f;
+    *lse = live ? m[c] + logf(l[c]) : -INFINITY;
+    if (live && t.KL > t.KF) {
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? O[c * Dv + d] : O[d * t.np + c];
+      store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+    } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
+      store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+    } else {
+      store_zeros(ctx.buf->out, p.dtype, oidx, Dv);
+    }
+  }
+}
+
+// sc.next_k: the K rows of keys [j1, j1 + kBk) of the tile's kv head (null past its keys or
+// where hidden).
+void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, const BlockScratch& sc) {
+  const SdpaParams& p = *ctx.p;
+  const char* kp = static_cast<const char*>(ctx.buf->k);
+  const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+  for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = nullptr;
+  if (j1 >= st.kb) return;
+  KeyRun runs[kBk];
+  const int64_t nruns = key_runs(p, st.t.b, st.t.hk, j1, min64(kBk, st.kb - j1), runs);
+  for (int64_t r = 0; r < nruns; ++r)
+    if (runs[r].k >= 0)
+      for (int64_t j = 0; j < runs[r].n; ++j)
+        sc.next_k[runs[r].j + j] = kp + (runs[r].k + j * p.k_stride[2]) * item;
+}
+
+// A task is one key share of a group of tiles: the same rows of group_heads consecutive kv
+// heads of one batch row (one head unless decode reads a slot-major cache, where the heads'
+// rows share each key's memory: walking them together streams it in order instead of one
+// strided head at a time), key block by key block.
+void fwd_task(void* vctx, int64_t task, int participant) {
+  const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
+  const SdpaParams& p = *ctx.p;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, Hk = p.heads_kv, gh = ctx.group_heads;
+  const int64_t groups = (Hk + gh - 1) / gh;  // per batch row
+  const int64_t BH = p.batch * Hk, BG = p.batch * groups;
+  // Heaviest tiles (latest queries under a causal band) first.
+  const int64_t share = task % ctx.nsplit, group_task = task / ctx.nsplit;
+  const int64_t tile = ctx.tiles - 1 - group_task / BG, bg = group_task % BG;
+  const int64_t b = bg / groups, hk0 = bg % groups * gh, nh = min64(gh, Hk - hk0);
+
+  Carver cv{ctx.arena.base + ctx.arena.per * participant};
+  const BlockScratch sc = carve_block_scratch(cv, D, Dv);
+  TileState states[kGroupHeads];
+  bool narrow = false;
+  int64_t ka = INT64_MAX, kb = 0;
+  for (int64_t h = 0; h < nh; ++h) {
+    start_tile(ctx, b, hk0 + h, tile, share, cv, sc, &states[h]);
+    narrow |= states[h].narrow;
+    ka = min64(ka, states[h].ka);
+    kb = max64(kb, states[h].kb);
+  }
+  if (narrow) {
+    memset(sc.zero_row, 0, max64(D, Dv) * sizeof(float));
+    memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));
+  }
+  for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
+    for (int64_t h = 0; h < nh; ++h) {
+      TileState& st = states[h];
+      if (j0 < st.ka || j0 >= st.kb) continue;
+      if (st.narrow) next_block_rows(ctx, st, j0 + kBk, sc);
+      tile_block(ctx, st, sc, j0, min64(kBk, st.kb - j0));
+    }
+  }
+  const int64_t tile_base = (ctx.tiles - 1 - tile) * BH + b * Hk;
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t tile_task = tile_base + hk0 + h;
+    finish_tile(ctx, states[h], sc, tile_task * ctx.nsplit + share, tile_task);
+  }
+}

@@ -1,0 +1,184 @@
+// The register-blocked micro-kernel and its GEMM; the bfloat16 products (AVX512-BF16).
+// Part of the CPU kernel: attention_kernel.cc includes it inside its ISA variant's namespace
+// (one translation unit a variant); not a header of its own.
+#pragma once
+
+// ---- the micro-kernel ---------------------------------------------------------
+// C[r][x] (+)= sum_k A[r * rs + k * ks] * B[k * ldb + x], r < M_, x < N_ * W.
+template <int M_, int N_>
+void micro(int64_t K, const float* __restrict A, int64_t rs, int64_t ks,
+           const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+           bool accumulate) {
+  vf acc[M_][N_];
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) acc[r][x] = accumulate ? loadv(C + r * ldc + x * W) : vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[N_];
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) b[x] = loadv(B + k * ldb + x * W);
+    const float* a = A + k * ks;
+#pragma GCC unroll 8
+    for (int r = 0; r < M_; ++r) {
+      vf av = splat(a[r * rs]);
+#pragma GCC unroll 8
+      for (int x = 0; x < N_; ++x) acc[r][x] += av * b[x];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) storev(C + r * ldc + x * W, acc[r][x]);
+}
+
+using MicroFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
+                         int64_t, bool);
+constexpr int nr_clamp(int x) { return x < NR ? x : NR; }
+#define JAX_SDPA_MICRO_ROW(m) \
+  {micro<m, nr_clamp(1)>, micro<m, nr_clamp(2)>, micro<m, nr_clamp(3)>, micro<m, nr_clamp(4)>}
+static_assert(MR == 6 && NR <= 4, "micro-kernel table below is written for MR = 6, NR <= 4");
+const MicroFn kMicro[6][4] = {JAX_SDPA_MICRO_ROW(1), JAX_SDPA_MICRO_ROW(2), JAX_SDPA_MICRO_ROW(3),
+                              JAX_SDPA_MICRO_ROW(4), JAX_SDPA_MICRO_ROW(5), JAX_SDPA_MICRO_ROW(6)};
+#undef JAX_SDPA_MICRO_ROW
+
+// C[M x N] (+)= A[M x K] · B[K x N]; N a multiple of W. A by broadcast with
+// strides (rs, ks); B and C row-major with leading dims ldb, ldc.
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rs, int64_t ks, const float* B,
+          int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += NR * W) {
+    int nv = (int)min64((N - n0) / W, NR);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      int mr = (int)min64(M - m0, MR);
+      kMicro[mr - 1][nv - 1](K, A + m0 * rs, rs, ks, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                             accumulate);
+    }
+  }
+}
+
+// ---- bfloat16 products (AVX512-BF16) ---------------------------------------------
+// VDPBF16PS adds the two products of a pair of bfloat16s to each float32 lane, exactly
+// rounded products (bf16 * bf16 fits a float32), so a bf16 GEMM takes half the instructions
+// of the float32 one and needs no conversion of K and V to float32. The bfloat16 forward's
+// two products run here: S^T = K · Q^T with pairs along d (K rows as they are in memory,
+// Q^T packed [D/2][np] pairs), and O^T += V^T · P^T with pairs along keys (V packed
+// [keys/2][Dv] pairs, P rounded to bf16 [keys/2][np] pairs; the softmax sums use P unrounded,
+// as GPU flash kernels do). The backward's S^T and dP^T = V · dO^T (pairs along d, products of
+// inputs) run here too; its dV, dK, dQ would need P and dS rounded and stay float32. The
+// instruction treats bf16 subnormals as 0.
+#if defined(__AVX512BF16__)
+// Whether this call's forward products take the bf16 GEMM (non-narrow tiles).
+inline bool bf16_products(const SdpaParams& p) { return p.dtype == DType::kBF16; }
+
+// C[r][x] (+)= sum_k dot2(A[r * rs + k * ks], B[k * ldb + x]), r < M_, x < N_ * W: A and B
+// hold pairs of bf16 as 32-bit words.
+template <int M_, int N_>
+void micro_bf16(int64_t K2, const uint32_t* __restrict A, int64_t rs, int64_t ks,
+                const uint32_t* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc,
+                bool accumulate) {
+  __m512 acc[M_][N_];
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x)
+      acc[r][x] = accumulate ? _mm512_loadu_ps(C + r * ldc + x * W) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh b[N_];
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) b[x] = (__m512bh)_mm512_loadu_si512(B + k * ldb + x * W);
+    const uint32_t* a = A + k * ks;
+#pragma GCC unroll 8
+    for (int r = 0; r < M_; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * rs]);
+#pragma GCC unroll 8
+      for (int x = 0; x < N_; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], av, b[x]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < M_; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < N_; ++x) _mm512_storeu_ps(C + r * ldc + x * W, acc[r][x]);
+}
+
+using MicroBf16Fn = void (*)(int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*,
+                             int64_t, float*, int64_t, bool);
+#define JAX_SDPA_MICRO_ROW(m)                                                 \
+  {micro_bf16<m, nr_clamp(1)>, micro_bf16<m, nr_clamp(2)>, micro_bf16<m, nr_clamp(3)>, \
+   micro_bf16<m, nr_clamp(4)>}
+const MicroBf16Fn kMicroBf16[6][4] = {JAX_SDPA_MICRO_ROW(1), JAX_SDPA_MICRO_ROW(2),
+                                      JAX_SDPA_MICRO_ROW(3), JAX_SDPA_MICRO_ROW(4),
+                                      JAX_SDPA_MICRO_ROW(5), JAX_SDPA_MICRO_ROW(6)};
+#undef JAX_SDPA_MICRO_ROW
+
+// gemm over K2 pairs: C[M x N] (+)= A[M x 2*K2] · B[2*K2 x N], N a multiple of W.
+void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, int64_t ks,
+               const uint32_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += NR * W) {
+    int nv = (int)min64((N - n0) / W, NR);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      int mr = (int)min64(M - m0, MR);
+      kMicroBf16[mr - 1][nv - 1](K2, A + m0 * rs, rs, ks, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                                 accumulate);
+    }
+  }
+}
+
+// Pp[q][c] = (bf16(P[2q][c]), bf16(P[2q+1][c])) for q < ceil(jn / 2), the pair of an odd
+// last key zero; P is float32 [jn][np].
+void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
+  const __m512i lanes = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int64_t q = 0; 2 * q < jn; ++q) {
+    const float* lo = P + 2 * q * np;
+    const float* hi = 2 * q + 1 < jn ? lo + np : nullptr;
+    for (int64_t c0 = 0; c0 < np; c0 += W) {
+      const __m512 a = _mm512_loadu_ps(lo + c0);
+      const __m512 b = hi ? _mm512_loadu_ps(hi + c0) : _mm512_setzero_ps();
+      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in words 0..15, b above
+      _mm512_storeu_si512(Pp + q * np + c0, _mm512_permutexvar_epi16(lanes, ab));
+    }
+  }
+}
+// Qp[q][c] = the bf16 pair (Qt[2q][c], Qt[2q+1][c]) of float32 Qt [D][np] that holds bf16
+// values (truncation is exact), the pair of an odd last d zero.
+void pack_q_pairs(const float* Qt, int64_t D, int64_t np, uint32_t* Qp) {
+  for (int64_t q = 0; 2 * q < D; ++q)
+    for (int64_t c = 0; c < np; ++c) {
+      const uint32_t lo = f32_to_bits(Qt[2 * q * np + c]) >> 16;
+      const uint32_t hi = 2 * q + 1 < D ? f32_to_bits(Qt[(2 * q + 1) * np + c]) >> 16 : 0u;
+      Qp[q * np + c] = lo | hi << 16;
+    }
+}
+
+// A bf16 row of n as (n + 1) / 2 pairs, an odd n's last pair zero-padded; null: zeros.
+void pack_row_pairs(const uint16_t* row, int64_t n, uint32_t* dst) {
+  if (!row) {
+    memset(dst, 0, (n + 1) / 2 * sizeof(uint32_t));
+    return;
+  }
+  memcpy(dst, row, n / 2 * sizeof(uint32_t));
+  if (n % 2) dst[n / 2] = row[n - 1];
+}
+
+// A block's keys as bf16 pairs: Kp[j][D2] pairs along d, Vp[q][Dv] pairs along keys (V rows
+// 2q, 2q+1; an odd block's last partner zero). Hidden keys (null rows) are zero: their P is 0.
+void pack_kv_pairs(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t jn,
+                   int64_t D, int64_t Dv, uint32_t* Kp, uint32_t* Vp) {
+  for (int64_t j = 0; j < jn; ++j) pack_row_pairs(krow[j], D, Kp + j * ((D + 1) / 2));
+  for (int64_t q = 0; 2 * q < jn; ++q) {
+    const uint16_t* a = vrow[2 * q];
+    const uint16_t* b = 2 * q + 1 < jn ? vrow[2 * q + 1] : nullptr;
+    uint32_t* vd = Vp + q * Dv;
+    if (a && b) {
+      for (int64_t d = 0; d < Dv; ++d) vd[d] = (uint32_t)a[d] | (uint32_t)b[d] << 16;
+    } else if (a || b) {
+      const uint16_t* x = a ? a : b;
+      const int sh = a ? 0 : 16;
+      for (int64_t d = 0; d < Dv; ++d) vd[d] = (uint32_t)x[d] << sh;
+    } else {
+      memset(vd, 0, Dv * sizeof(uint32_t));
+    }
+  }
+}
+#endif  // __AVX512BF16__

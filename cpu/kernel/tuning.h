@@ -1,0 +1,47 @@
+// The CPU kernel's tile and task choices, one row each with its reason and where it was
+// measured (docs/cpu.md has the figures; benchmarks/results/cpu_2core/ the runs).
+// Part of the CPU kernel: attention_kernel.cc includes it inside its ISA variant's namespace
+// (one translation unit a variant); not a header of its own.
+#pragma once
+
+// Vector width W (floats) and the micro-kernel's register block MR x NR vectors: as many
+// accumulators as the ISA's vector registers hold beside the B vectors and a broadcast.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int MR = 6, NR = 4;  // 24 zmm accumulators + 4 B vectors + 1 broadcast
+#elif defined(__AVX__)
+constexpr int W = 8;
+constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 ymm
+#else
+constexpr int W = 4;
+constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 xmm/NEON registers (of 32 on NEON)
+#endif
+
+// Rows (queries x group heads) of a query tile and keys of a block: a tile's scores, Q^T
+// and O^T stay in L2 beside a block's K and V rows (64 x 64 float32 scores: 16 KiB).
+constexpr int64_t kBq = 64;
+constexpr int64_t kBk = 64;
+
+// Split keys: when a call has fewer than four tasks a thread (B1 decode), each tile's keys
+// are cut into shares of at least this many key rows (keys times the heads walked
+// together), one task each; shorter shares cost more in merges than they save.
+constexpr int64_t kSplitKeys = 512;
+
+// Decode from a slot-major cache: a task walks up to this many kv heads of a batch row
+// together, reading each key's rows of all of them in order (one head a task strides over
+// them: 1.8x slower at B1 H32/KV8 D128 Lk32768, docs/cpu.md).
+constexpr int64_t kGroupHeads = 16;
+
+// Narrow (decode-shaped) tiles: at most this many rows take the narrow kernels; wider tiles
+// fill the transposed micro-kernel's lanes.
+constexpr int64_t kNarrow = W < 8 ? W : 8;
+
+// Decode prefetch: K rows this far ahead of the scores' loads (into L2, across block ends).
+// Without it the interleaved K rows read from memory at half the bandwidth (B1 H32/KV8 D128
+// Lk16384 float32 8.35 -> 4.87 ms, peers.json).
+constexpr int64_t kAheadRows = 16;
+
+// Accumulators the narrow values kernel keeps in registers (half the vector registers), so a
+// pass reads whole V rows in key order up to Dv = kValueAccs * W (passes over a few vectors of
+// each row defeat the hardware prefetcher: about 2.7x slower reads from memory).
+constexpr int kValueAccs = W >= 16 ? 16 : 8;
