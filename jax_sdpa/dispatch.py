@@ -102,12 +102,13 @@ def supports_xla_chunked(cfg: Config, direction: str, platform: str) -> Verdict:
 def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
     if (r := _platform_check("cpu", platform)) is not None:
         return r
-    if not _ext.has_backend("cpu"):
+    native = _ext.module("_sdpa_cpu")
+    if not _ext.has_backend("cpu") or native is None:
         return _no(f"the native CPU kernel: {_backend_missing('cpu')}")
     if (r := _common_fused_checks(cfg)) is not None:
         return r
-    if max(cfg.head_dim, cfg.head_dim_v) > 512:
-        return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
+    if why := native.unsupported_reason(cfg.head_dim, cfg.head_dim_v):
+        return _no(why)
     if (r := _unserved_features(cfg, f"jax_sdpa_cpu_{direction}", "the CPU kernel")):
         return r
     return _ok("native flash-attention kernel: faster than xla on every CPU shape measured "
@@ -202,10 +203,6 @@ def segments_as_mask(cfg: Config) -> Optional[Config]:
                                mask_dtype=cfg.dtype)
 
 
-# The oldest cuDNN our soft-capping score modifier is validated on (the GPU tests).
-CUDNN_SOFT_CAP_MIN_VERSION = 91900
-
-
 def _supports_cudnn(call: "_Call") -> Verdict:
     """What our cuDNN graphs (cuda/cudnn/cudnn_sdpa.cc) serve; cuDNN's own support check
     still runs when the graph is built and its message is raised if it refuses. Segment
@@ -252,17 +249,18 @@ def _supports_cudnn(call: "_Call") -> Verdict:
                        "cuDNN >= 9.10.2, the loaded one is " + _cudnn_version_str(version))
     if cfg.has_sinks and version < 91300:
         return _no("attention sinks need cuDNN >= 9.13, the loaded one is " + _cudnn_version_str(version))
-    if p.logits_soft_cap > 0 and (cc < (9, 0) or version < CUDNN_SOFT_CAP_MIN_VERSION):
+    soft_cap_from = tuning.CUDNN_SOFT_CAP_MIN_VERSION
+    if p.logits_soft_cap > 0 and (cc < (9, 0) or version < soft_cap_from):
         return _no("soft-capping runs as cuDNN's score modifier (a flexible graph), which "
                    "needs compute capability >= 9.0 and is validated from cuDNN "
-                   f"{_cudnn_version_str(CUDNN_SOFT_CAP_MIN_VERSION)}; here {cc[0]}.{cc[1]}, "
+                   f"{_cudnn_version_str(soft_cap_from)}; here {cc[0]}.{cc[1]}, "
                    "cuDNN " + _cudnn_version_str(version))
-    if p.logits_soft_cap > 0 and (cfg.has_q_lengths or cfg.has_kv_lengths):
-        # cuda/cudnn/cudnn_sdpa.cc check_soft_cap: wrong outputs on the H200, cuDNN 9.19
-        return _no("our cuDNN graphs don't combine logits_soft_cap with q/kv lengths")
-    if cfg.has_sinks and cfg.batch > 1 and getattr(cfg, "sinks_batch", 1) > 1:
-        return _no("cuDNN takes one sink logit per head; per-batch sinks [B, Hq] are "
-                   "not supported")
+    # what the handlers refuse (cuda/cudnn/cudnn_sdpa.cc unsupported_reason): soft-capping
+    # with lengths, per-batch sinks
+    if why := native.cudnn_unsupported_reason(
+            cfg.batch, p.logits_soft_cap, cfg.has_q_lengths or cfg.has_kv_lengths,
+            cfg.has_sinks and cfg.sinks_batch > 1):
+        return _no(why)
     if aligned_br and cfg.mask_kind != MASK_NONE:
         # cuDNN 9.19: "Bottom right causal mask is only supported with is_bias=False"
         # (forward and backward); a bool mask is passed as a bias too.

@@ -130,6 +130,14 @@ ROWS = {
         "15.9 ms fwd / fwd+bwd, our flash kernels 7.03 / 39.9, jax.nn's cuDNN with the same "
         "mask as a bool array 3.69 / 16.1",
         "benchmarks/results/h200/peers_packed.json"),
+    "CUDNN_SOFT_CAP_MIN_VERSION": Row(
+        91900,
+        "soft-capping on our cuDNN graphs (cuDNN's score modifier, a flexible graph, compute "
+        "capability >= 9.0) from this cuDNN version, the one it is validated on: the float64 "
+        "oracle's soft-cap cases (tests/test_segments_softcap.py "
+        "test_cudnn_soft_cap_against_oracle) pass on the H200 with cuDNN 9.19; below it "
+        "the other implementations serve soft-capping (CUDA_FLASH_FOR_FEATURES)",
+        "benchmarks/results/h200/tests_gpu_softcap.xml"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
@@ -168,6 +176,7 @@ CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
 CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
+CUDNN_SOFT_CAP_MIN_VERSION = ROWS["CUDNN_SOFT_CAP_MIN_VERSION"].value
 CUDA_FLASH_FOR_FEATURES = ROWS["CUDA_FLASH_FOR_FEATURES"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value
