@@ -30,8 +30,6 @@ IMPLEMENTATIONS = ("cudnn", "cuda", "flash_attn3", "metal", "cpu", "xla", "xla_c
 FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "flash_attn3": "cuda", "metal": "cpu",
                    "cpu": "cpu"}
 
-XLA_CHUNKED_SCORE_BYTES = tuning.XLA_CHUNKED_SCORE_BYTES
-
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"))
 
 Verdict = tuple  # (ok: bool, reason: str)
@@ -500,12 +498,12 @@ def _decode_pick(call: "_Call") -> Optional[str]:
         if (cfg.has_kv_lengths or cfg.has_q_lengths) and \
                 tuning.CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS:
             return "cuda"
-        if rows <= 4 and cfg.head_dim == cfg.head_dim_v:
+        few_rows, many_rows = tuning.CUDA_DECODE_OVER_CUDNN_ROWS
+        if rows <= few_rows and cfg.head_dim == cfg.head_dim_v:
             pick = tuning.CUDA_DECODE_FEW_ROWS.get(cfg.head_dim, (None, None))[0 if big else 1]
             if pick is not None:
                 return pick
-        return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
-            tuning.CUDA_DECODE_OVER_CUDNN_ROWS[1] else None
+        return "cuda" if few_rows < rows <= many_rows else None
     if cfg.dtype == np.dtype(np.float32):
         return None
     if dmax > 256:
@@ -543,7 +541,7 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
             direction in tuning.CUDA_FLASH_FOR_FEATURES.get(f, ()) for f in cfg.features)
     if _wgmma_flash_runs(cfg, direction):
         return True
-    return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
+    return cfg.score_bytes > tuning.XLA_CHUNKED_SCORE_BYTES
 
 
 def _wide_in_xla_bounds(cfg: Config) -> bool:
@@ -590,7 +588,7 @@ def _preference(call: "_Call"):
             if pick == "cuda":
                 return ["cuda", "cudnn"]
             if pick == "xla":
-                return []  # our XLA path (_xla_choice)
+                return []  # our XLA path (xla_choice)
         if not call.cudnn[0] and (_wide_backward_in_xla(cfg, direction)
                                   or _wide_forward_in_xla(cfg, direction)):
             return ["xla"]
@@ -606,8 +604,10 @@ def _preference(call: "_Call"):
     return []
 
 
-def _xla_choice(cfg: Config) -> str:
-    return "xla_chunked" if cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES else "xla"
+def xla_choice(cfg: Config) -> str:
+    """Our XLA path's form for this call: the chunked online softmax above
+    XLA_CHUNKED_SCORE_BYTES of float32 scores (jax_sdpa/tuning.py), else the exact one."""
+    return "xla_chunked" if cfg.score_bytes > tuning.XLA_CHUNKED_SCORE_BYTES else "xla"
 
 
 def xla_probs_dtype(cfg: Config, platform: str) -> Optional[str]:
@@ -644,7 +644,7 @@ def _choose(call: "_Call", implementation: Optional[str], without=()) -> str:
     for name in _preference(call):
         if name not in without and call.verdict(name)[0]:
             return name
-    return _xla_choice(call.cfg)
+    return xla_choice(call.cfg)
 
 
 def _target(call: "_Call", name: str) -> str:
@@ -784,7 +784,7 @@ def plan_paged(cfg: Config, platform: str, implementation: Optional[str] = None)
     if implementation is None:
         names = [n for n in _paged_preference(platform)
                  if _paged_verdict(n, cfg, platform)[0] and _paged_preferred(n, cfg)]
-        name = names[0] if names else _xla_choice(cfg)
+        name = names[0] if names else xla_choice(cfg)
     else:
         name = implementation
     ok, reason = _paged_verdict(name, cfg, platform)

@@ -61,7 +61,7 @@ def _chunked(optional, flags, params, q, k, v) -> bool:
     cfg = primitives._config_from_avals([q, k, v, optional[0], optional[1]], flags, params)
     name = params.implementation
     if name not in ("xla", "xla_chunked"):
-        name = dispatch._xla_choice(cfg)
+        name = dispatch.xla_choice(cfg)
     return name == "xla_chunked"
 
 
