@@ -5,12 +5,16 @@ implementation, its FFI target, the bytes of workspace the target takes and why.
 implementation has a rule returning (ok, reason); the platform's preference order is walked
 and the first that serves wins (the pure-JAX ones always do), so `implementation=None` never
 fails for want of a kernel; a named implementation that can't serve raises
-`NotImplementedError` with its reason. Every verdict of one call is computed once (`_Call`).
+`NotImplementedError` with its reason. Every verdict of one call is computed once (`_Call`,
+`_PagedCall`). An entry point that names an implementation makes the plan at trace time (its
+error raised there) and carries it to the lowering in the primitive's params; the lowering
+takes it where it was made for the very call it lowers (`lowering_plan`), else plans anew.
 
-What the native code owns (the decode kernels' head dims, workspace bytes, default kernel
-and refusals, the flash kernels' refusals and wgmma availability, cuDNN's band alignment) is
-asked from the `_sdpa_cuda` module, never re-derived here; the measured crossovers between
-implementations are rows of `jax_sdpa/tuning.py`.
+What the native code owns is asked from its module, never re-derived here: from
+`_sdpa_cuda` the decode kernels' workspace bytes, default kernel and refusals, the flash
+kernels' refusals and wgmma availability, cuDNN's band alignment and the refusals of our
+cuDNN graphs; from `_sdpa_cpu` the CPU kernel's head-dim refusal. The measured crossovers
+between implementations are rows of `jax_sdpa/tuning.py`.
 """
 
 from __future__ import annotations
@@ -632,6 +636,15 @@ class Plan:
     probs_dtype: Optional[str] = None
     # cuDNN with segment ids: the lowering passes them as the mask `segments_as_mask` says
     segments_as_mask: bool = False
+    # flash_attn3 with segment ids: the plan of what runs a call whose ids its varlen kernels
+    # can't take (checked when the call runs): what implementation=None runs without
+    # flash-attn3-jax, named
+    fallback: Optional["Plan"] = None
+    # (config, platform, direction) of the call the plan was made for (`lowering_plan`)
+    call: tuple = dataclasses.field(default=(), repr=False)
+
+    def made_for(self, cfg: Config, platform: str, direction: str) -> bool:
+        return self.call == (cfg, platform, direction)
 
 
 def _choose(call: "_Call", implementation: Optional[str], without=()) -> str:
@@ -661,19 +674,42 @@ def _target(call: "_Call", name: str) -> str:
     return f"jax_sdpa_{name}_{call.direction}"
 
 
+def _plan_of(call: "_Call", name: str, cfg: Config) -> Plan:
+    """The plan that runs `call` with implementation `name` (one that serves it), made for
+    `cfg` (the call's config, its `implementation` as the primitive carries it)."""
+    reason = call.verdict(name)[1]
+    made_for = (cfg, call.platform, call.direction)
+    if name in ("xla", "xla_chunked"):
+        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, call.platform), call=made_for)
+    target = _target(call, name)
+    fallback = None
+    if name == "flash_attn3" and cfg.has_segment_ids:
+        other = _choose(call, None, without=("flash_attn3",))
+        fallback = _plan_of(call, other, dataclasses.replace(
+            cfg, params=dataclasses.replace(cfg.params, implementation=other)))
+    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason,
+                segments_as_mask=name == "cudnn" and cfg.has_segment_ids, fallback=fallback,
+                call=made_for)
+
+
 def plan(cfg: Config, platform: str, direction: str = "fwd",
          implementation: Optional[str] = None, without=()) -> Plan:
     """The implementation, FFI target and workspace of this call (raises
     NotImplementedError when a named implementation can't serve it); `without`: names
     implementation=None passes over."""
     call = _Call(cfg, direction, platform)
-    name = _choose(call, implementation, without)
-    reason = call.verdict(name)[1]
-    if name in ("xla", "xla_chunked"):
-        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
-    target = _target(call, name)
-    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason,
-                segments_as_mask=name == "cudnn" and cfg.has_segment_ids)
+    return _plan_of(call, _choose(call, implementation, without), cfg)
+
+
+def lowering_plan(cfg: Config, platform: str, direction: str,
+                  carried: Optional[Plan] = None) -> Plan:
+    """The plan a lowering of this call emits: `carried` (made at trace time by the entry
+    point that named the implementation, in the primitive's params) where it was made for
+    this very call, else a plan of `cfg.params.implementation`. A batched, sharded,
+    differentiated or cross-platform lowering sees another call and plans anew."""
+    if carried is not None and carried.made_for(cfg, platform, direction):
+        return carried
+    return plan(cfg, platform, direction, cfg.params.implementation)
 
 
 def choose(cfg: Config, platform: str, direction: str = "fwd",
@@ -717,11 +753,12 @@ def _without_features(cfg: Config) -> Config:
         cfg.params, logits_soft_cap=0.0))
 
 
-def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
-    """Whether implementation `name` serves a paged call (`cfg` describes the contiguous
-    call it stands for): its module registers the paged target, its kernels serve the
-    shapes (the rules of the contiguous forward; on CUDA, our decode kernel's) and the
+def _paged_rule(call: "_PagedCall", name: str) -> Verdict:
+    """Whether implementation `name` serves a paged call (`call.cfg` describes the
+    contiguous call it stands for): its module registers the paged target, its kernels serve
+    the shapes (the rules of the contiguous forward; on CUDA, our decode kernel's) and the
     target declares the features the call uses."""
+    cfg, platform = call.cfg, call.platform
     if name in ("xla", "xla_chunked"):
         return _ok("gathers the pages into a contiguous cache, then "
                    + ("the online softmax over key blocks" if name == "xla_chunked"
@@ -734,17 +771,13 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     target = paged_target(name)
     if target not in _ext.ffi_targets():
         return _no(f"this build's {name} module registers no paged target ({target})")
-    base = _without_features(cfg)
-    if name == "cuda":
-        ok, why = _Call(base, "fwd", platform).decode
-    else:
-        ok, why = _Call(base, "fwd", platform).verdict(name)
+    ok, why = call.base.decode if name == "cuda" else call.base.verdict(name)
     if not ok:
         return _no(why)
     if (r := _unserved_features(cfg, target, f"the {name} paged kernel")):
         return r
     if name == "cuda":
-        why = _paged_decode_refusal(cfg)
+        why = call.decode_refusal
         kernel = ("our decode kernel through the page table" if not why else
                   f"the flash forward's feature kernel ({why} rules out the paged decode "
                   "kernel)")
@@ -752,21 +785,43 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     return _ok(f"reads the pages in place [{target}]")
 
 
-def _paged_decode_refusal(cfg: Config) -> str:
-    """Why our CUDA paged target runs the flash feature kernel rather than the paged
-    decode kernel for this call ('' when the decode kernel reads the pages), as the CUDA
-    module says."""
-    if cfg.features:
-        return "soft-capping"
-    return _native().paged_decode_unsupported_reason(*_shape_args(cfg))
+class _PagedCall:
+    """One paged call's verdicts, each computed at most once."""
+
+    def __init__(self, cfg: Config, platform: str):
+        self.cfg, self.platform = cfg, platform
+        self._verdicts = {}
+
+    def verdict(self, name: str) -> Verdict:
+        if name not in self._verdicts:
+            self._verdicts[name] = _paged_rule(self, name)
+        return self._verdicts[name]
+
+    @functools.cached_property
+    def base(self) -> _Call:
+        """The contiguous forward without features, which the base rules judge."""
+        return _Call(_without_features(self.cfg), "fwd", self.platform)
+
+    @functools.cached_property
+    def decode_refusal(self) -> str:
+        """Why our CUDA paged target runs the flash feature kernel rather than the paged
+        decode kernel for this call ('' when the decode kernel reads the pages), as the
+        CUDA module says."""
+        if self.cfg.features:
+            return "soft-capping"
+        return _native().paged_decode_unsupported_reason(*_shape_args(self.cfg))
+
+    def preferred(self, name: str) -> bool:
+        """Whether implementation=None takes `name` for the call where it serves: our CUDA
+        target only where the paged decode kernel reads the pages
+        (CUDA_PAGED_FLASH_FOR_NONE of jax_sdpa/tuning.py), else the XLA gather."""
+        return (name != "cuda" or tuning.CUDA_PAGED_FLASH_FOR_NONE
+                or not self.decode_refusal)
 
 
-def _paged_preferred(name: str, cfg: Config) -> bool:
-    """Whether implementation=None takes `name` for a paged call it serves: our CUDA target
-    only where the paged decode kernel reads the pages (CUDA_PAGED_FLASH_FOR_NONE of
-    jax_sdpa/tuning.py), else the XLA gather."""
-    return (name != "cuda" or tuning.CUDA_PAGED_FLASH_FOR_NONE
-            or not _paged_decode_refusal(cfg))
+def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
+    """Whether implementation `name` serves a paged call (`_paged_rule`)."""
+    return _PagedCall(cfg, platform).verdict(name)
 
 
 def _paged_preference(platform: str):
@@ -777,28 +832,41 @@ def _paged_preference(platform: str):
     return []
 
 
+def _plan_paged(call: _PagedCall, implementation: Optional[str]) -> Plan:
+    cfg, platform = call.cfg, call.platform
+    if implementation is None:
+        name = next((n for n in _paged_preference(platform)
+                     if call.verdict(n)[0] and call.preferred(n)), None) or xla_choice(cfg)
+    else:
+        name = implementation
+    ok, reason = call.verdict(name)
+    if not ok:
+        raise NotImplementedError(f"jax_sdpa: implementation={name!r} can't serve this paged "
+                                  f"call: {reason}")
+    made_for = (cfg, platform, "paged")
+    if name in ("xla", "xla_chunked"):
+        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform), call=made_for)
+    target = paged_target(name)
+    workspace = cuda_decode_workspace_bytes(cfg) if name == "cuda" else 0
+    return Plan(name, target, workspace, reason, call=made_for)
+
+
 def plan_paged(cfg: Config, platform: str, implementation: Optional[str] = None) -> Plan:
     """The plan of a paged forward: a named implementation runs or raises
     NotImplementedError with its reason; None takes the first fused one whose module serves
     paged calls, else xla / xla_chunked (never fails for want of a kernel)."""
-    if implementation is None:
-        names = [n for n in _paged_preference(platform)
-                 if _paged_verdict(n, cfg, platform)[0] and _paged_preferred(n, cfg)]
-        name = names[0] if names else xla_choice(cfg)
-    else:
-        name = implementation
-    ok, reason = _paged_verdict(name, cfg, platform)
-    if not ok:
-        raise NotImplementedError(f"jax_sdpa: implementation={name!r} can't serve this paged "
-                                  f"call: {reason}")
-    if name in ("xla", "xla_chunked"):
-        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
-    target = paged_target(name)
-    workspace = cuda_decode_workspace_bytes(cfg) if name == "cuda" else 0
-    return Plan(name, target, workspace, reason)
+    return _plan_paged(_PagedCall(cfg, platform), implementation)
+
+
+def paged_lowering_plan(cfg: Config, platform: str, carried: Optional[Plan] = None) -> Plan:
+    """`lowering_plan` of a paged forward."""
+    if carried is not None and carried.made_for(cfg, platform, "paged"):
+        return carried
+    return plan_paged(cfg, platform, cfg.params.implementation)
 
 
 def explain_paged_choice(cfg: Config, platform: str):
     """(chosen, {name: (ok, reason)}) for every implementation of a paged call."""
-    verdicts = {name: _paged_verdict(name, cfg, platform) for name in IMPLEMENTATIONS}
-    return plan_paged(cfg, platform).implementation, verdicts
+    call = _PagedCall(cfg, platform)
+    verdicts = {name: call.verdict(name) for name in IMPLEMENTATIONS}
+    return _plan_paged(call, None).implementation, verdicts
