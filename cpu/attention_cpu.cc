@@ -64,5 +64,12 @@ const char* sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& buf) {
 }
 const char* active_isa() { return variant().name; }
 
+std::string unsupported_reason(const SdpaParams& p) {
+  const int64_t widest = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+  if (widest > kMaxHeadDim)
+    return "head dim " + std::to_string(widest) + " > " + std::to_string(kMaxHeadDim);
+  return "";
+}
+
 }  // namespace cpu
 }  // namespace jax_sdpa

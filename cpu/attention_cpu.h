@@ -7,6 +7,9 @@
 // architectures get one generic build.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 #include "ffi/sdpa_params.h"
 
 namespace jax_sdpa {
@@ -15,6 +18,14 @@ namespace cpu {
 // Both return nullptr on success, else a static message (e.g. out of memory).
 const char* sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& buf);
 const char* sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& buf);
+
+// The largest head dim (D or Dv) the kernel serves (docs/cpu.md).
+constexpr int64_t kMaxHeadDim = 512;
+
+// Empty when the kernel serves `p`'s head dims, else why not. Dispatch asks it
+// (`unsupported_reason` of the _sdpa_cpu module) and sends the kernel nothing else; no buffer
+// is sized by it, so a direct FFI call with larger head dims still runs.
+std::string unsupported_reason(const SdpaParams& p);
 
 // The ISA variant in use ("x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2"
 // or "generic").

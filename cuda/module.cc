@@ -1,11 +1,9 @@
 // jax_sdpa._sdpa_cuda: the CUDA-platform FFI handlers as capsules, and what the native code
 // knows that dispatch needs (jax_sdpa/dispatch.py asks these, never re-derives them): the
-// decode kernels' head dims, workspace bytes, default kernel and refusals, the flash kernels'
-// refusals and wgmma availability, cuDNN's band alignment, and the cuDNN in the process.
+// decode kernels' workspace bytes, default kernel and refusals, the flash kernels' refusals
+// and wgmma availability, cuDNN's band alignment and refusals, and the cuDNN in the process.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
@@ -62,8 +60,6 @@ NB_MODULE(_sdpa_cuda, m) {
   m.doc() = "jax_sdpa NVIDIA backend: cuDNN SDPA graphs and our CUDA kernels behind XLA FFI";
   jax_sdpa::def_registrations(m);
 
-  m.def("decode_head_dims", &decode::built_head_dims,
-        "The (D, Dv) pairs the decode kernels are built for.");
   def_shape_fact(m, "decode_unsupported_reason", &decode::unsupported_reason,
                  "Why the decode kernels can't serve these shapes ('' when they can).");
   m.def(
@@ -107,6 +103,16 @@ NB_MODULE(_sdpa_cuda, m) {
       nb::arg("len_q"), nb::arg("len_kv"), nb::arg("window_left"), nb::arg("window_right"),
       nb::arg("bottom_right"), nb::arg("has_lengths"),
       "Whether our cuDNN graph asks for a bottom-right aligned band for this call.");
+  m.def(
+      "cudnn_unsupported_reason",
+      [](int64_t batch, double logits_soft_cap, bool has_lengths, bool per_batch_sinks) {
+        jax_sdpa::SdpaParams p = shape("float16", batch, 1, 1, 1, 1, 8, 8);
+        p.logits_soft_cap = logits_soft_cap;
+        return jax_sdpa::cudnn::unsupported_reason(p, has_lengths, per_batch_sinks);
+      },
+      nb::arg("batch"), nb::arg("logits_soft_cap"), nb::arg("has_lengths"),
+      nb::arg("per_batch_sinks"),
+      "Why our cuDNN graphs refuse a call for what it combines ('' when they don't).");
   m.def("cudnn_version", &jax_sdpa::cudnn::runtime_version,
         "Version of the libcudnn loaded in this process (e.g. 91900), -1 if it can't be queried.");
   m.def("cudnn_compiled_version", &jax_sdpa::cudnn::compiled_version,

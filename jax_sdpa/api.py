@@ -228,7 +228,9 @@ def _canonical_mask_dtype(mask, name):
     return mask
 
 
-def _trace_platform():
+def trace_platform():
+    """The platform a call traced now runs on (the default backend; a GPU is "cuda" or
+    "rocm")."""
     backend = jax.default_backend()
     if backend == "gpu":
         version = getattr(jax.devices()[0].client, "platform_version", "").lower()
@@ -236,13 +238,16 @@ def _trace_platform():
     return backend
 
 
-def _check_named(implementation, q, k, v, mask, sinks, q_lengths, kv_lengths, params,
-                 q_segment_ids=None, kv_segment_ids=None):
+def _named_plan(implementation, q, k, v, mask, sinks, q_lengths, kv_lengths, params,
+                q_segment_ids=None, kv_segment_ids=None) -> Optional[dispatch.Plan]:
+    """The forward's plan of a named implementation, made at trace time so that one that
+    can't serve raises NotImplementedError here; the lowering takes it (dispatch.
+    lowering_plan). None for implementation=None: the lowering decides."""
     if implementation is None:
-        return
+        return None
     cfg = _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids,
                   kv_segment_ids)
-    dispatch.choose(cfg, _trace_platform(), "fwd", implementation)
+    return dispatch.plan(cfg, trace_platform(), "fwd", implementation)
 
 
 def _config(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids=None,
@@ -261,9 +266,10 @@ _EMPTY_DIM_STANDIN = 8
 
 
 def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids=None,
-         kv_segment_ids=None):
-    """(out, lse) through the differentiable op; handles empty sequences and head dims."""
-    segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+         kv_segment_ids=None, plan=None):
+    """(out, lse) through the differentiable op; handles empty sequences and head dims.
+    `plan`: the forward's plan made at trace time (`_named_plan`), or None."""
+    segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, plan=plan)
     len_q, len_kv = (q.shape[1], k.shape[1]) if params.seq_major else (q.shape[2], k.shape[2])
     b = q.shape[0]
     hq = q.shape[2] if params.seq_major else q.shape[1]
@@ -281,13 +287,13 @@ def _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids=None
     return vjp.attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params, **segments)
 
 
-@functools.partial(jax.jit, static_argnames=("params",))
+@functools.partial(jax.jit, static_argnames=("params", "plan"))
 def _attend(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-            params):
+            params, plan=None):
     """The MLX entry's computation, jitted: eager calls then expose only its result to
     debug_nans / debug_infs (the lse of an empty row is -inf by contract)."""
     return _run(q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_segment_ids,
-                kv_segment_ids)[0]
+                kv_segment_ids, plan)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -369,8 +375,8 @@ def scaled_dot_product_attention(q, k, v, *, scale: Optional[float] = None, mask
     args = _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths,
                              key_value_seq_lengths, implementation, q_segment_ids,
                              kv_segment_ids, logits_soft_cap, local_window_size)
-    _check_named(implementation, *args)
-    return _attend(*args[:7], *args[8:], params=args[7])
+    plan = _named_plan(implementation, *args)
+    return _attend(*args[:7], *args[8:], params=args[7], plan=plan)
 
 
 # ---------------------------------------------------------------------------
@@ -445,11 +451,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
                           bottom_right=False, seq_major=True, implementation=implementation,
                           logits_soft_cap=_check_soft_cap(logits_soft_cap))
-    present = [x for x in (bias, mask) if x is not None]
-    combined = None if not present else jax.ShapeDtypeStruct(  # what _attend_jax_nn passes
-        jnp.broadcast_shapes(*(x.shape for x in present)), present[0].dtype)
-    _check_named(implementation, query, key, value, combined, sinks, q_lengths, kv_lengths,
-                 params, q_ids, kv_ids)
     has_mask = bias is not None or mask is not None or q_ids is not None
     empty_by_length_only = (kv_lengths is not None and not has_mask and sinks is None
                             and window_left < 0 and window_right < 0 and s > 0)
@@ -460,9 +461,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     # lse is read for the residual and by _jax_nn_empty_rows
     params = dataclasses.replace(
         params, lse_used=return_residual or may_be_empty or q_lengths is not None)
+    present = [x for x in (bias, mask) if x is not None]
+    combined = None if not present else jax.ShapeDtypeStruct(  # what _attend_jax_nn passes
+        jnp.broadcast_shapes(*(x.shape for x in present)), present[0].dtype)
+    plan = _named_plan(implementation, query, key, value, combined, sinks, q_lengths,
+                       kv_lengths, params, q_ids, kv_ids)
     out, residual = _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths,
                                    q_ids, kv_ids, params=params, may_be_empty=may_be_empty,
-                                   empty_by_length_only=empty_by_length_only)
+                                   empty_by_length_only=empty_by_length_only, plan=plan)
     out = out.reshape(output_shape)
     if return_residual:
         residual = jax.lax.stop_gradient(residual).astype(key.dtype)
@@ -470,9 +476,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("params", "may_be_empty", "empty_by_length_only"))
+@functools.partial(jax.jit, static_argnames=("params", "may_be_empty", "empty_by_length_only",
+                                             "plan"))
 def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                   kv_segment_ids, params, may_be_empty, empty_by_length_only=False):
+                   kv_segment_ids, params, may_be_empty, empty_by_length_only=False,
+                   plan=None):
     """The jax.nn entry's computation, jitted (see `_attend`): (out, residual lse B T N)."""
     combined = bias
     if mask is not None:  # both: one additive mask (masked entries can never be seen)
@@ -487,7 +495,7 @@ def _attend_jax_nn(query, key, value, bias, mask, sinks, q_lengths, kv_lengths, 
         query = jnp.where(no_keys[:, None, None, None], jnp.zeros((), query.dtype), query)
         kv_lengths = jnp.where(no_keys, key.shape[1], kv_lengths)
     out, lse = _run(query, key, value, combined, sinks, q_lengths, kv_lengths, params,
-                    q_segment_ids, kv_segment_ids)
+                    q_segment_ids, kv_segment_ids, plan)
     t, n = query.shape[1], query.shape[2]
     if may_be_empty or q_lengths is not None:
         out, lse = _jax_nn_empty_rows(out, lse, value, q_lengths, t, n, may_be_empty)
@@ -574,7 +582,7 @@ def explain(q, k, v, *, scale=None, mask=None, sinks=None, query_seq_lengths=Non
     jax.eval_shape(trace, q, k, v, None if mask_string else mask, sinks, query_seq_lengths,
                    key_value_seq_lengths, q_segment_ids, kv_segment_ids)
     cfg = captured["cfg"]
-    platform = platform or _trace_platform()
+    platform = platform or trace_platform()
     chosen, verdicts = dispatch.explain_choice(cfg, platform, direction)
     return Explanation(chosen=chosen, platform=platform, direction=direction,
                        verdicts=verdicts, config=cfg)

@@ -105,7 +105,7 @@ DEFAULT_SUITE = "cpu-small"
 
 
 def default_platform() -> str:
-    return api._trace_platform()
+    return api.trace_platform()
 
 
 def _config(case: Case) -> Config:

@@ -5,12 +5,16 @@ implementation, its FFI target, the bytes of workspace the target takes and why.
 implementation has a rule returning (ok, reason); the platform's preference order is walked
 and the first that serves wins (the pure-JAX ones always do), so `implementation=None` never
 fails for want of a kernel; a named implementation that can't serve raises
-`NotImplementedError` with its reason. Every verdict of one call is computed once (`_Call`).
+`NotImplementedError` with its reason. Every verdict of one call is computed once (`_Call`,
+`_PagedCall`). An entry point that names an implementation makes the plan at trace time (its
+error raised there) and carries it to the lowering in the primitive's params; the lowering
+takes it where it was made for the very call it lowers (`lowering_plan`), else plans anew.
 
-What the native code owns (the decode kernels' head dims, workspace bytes, default kernel
-and refusals, the flash kernels' refusals and wgmma availability, cuDNN's band alignment) is
-asked from the `_sdpa_cuda` module, never re-derived here; the measured crossovers between
-implementations are rows of `jax_sdpa/tuning.py`.
+What the native code owns is asked from its module, never re-derived here: from
+`_sdpa_cuda` the decode kernels' workspace bytes, default kernel and refusals, the flash
+kernels' refusals and wgmma availability, cuDNN's band alignment and the refusals of our
+cuDNN graphs; from `_sdpa_cpu` the CPU kernel's head-dim refusal. The measured crossovers
+between implementations are rows of `jax_sdpa/tuning.py`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ from jax_sdpa.config import (FP32_PRECISION_HIGHEST, MASK_ADDITIVE, MASK_BOOL, M
 IMPLEMENTATIONS = ("cudnn", "cuda", "flash_attn3", "metal", "cpu", "xla", "xla_chunked")
 FUSED_PLATFORMS = {"cudnn": "cuda", "cuda": "cuda", "flash_attn3": "cuda", "metal": "cpu",
                    "cpu": "cpu"}
-
-XLA_CHUNKED_SCORE_BYTES = tuning.XLA_CHUNKED_SCORE_BYTES
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"))
 
@@ -102,12 +104,13 @@ def supports_xla_chunked(cfg: Config, direction: str, platform: str) -> Verdict:
 def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
     if (r := _platform_check("cpu", platform)) is not None:
         return r
-    if not _ext.has_backend("cpu"):
+    native = _ext.module("_sdpa_cpu")
+    if not _ext.has_backend("cpu") or native is None:
         return _no(f"the native CPU kernel: {_backend_missing('cpu')}")
     if (r := _common_fused_checks(cfg)) is not None:
         return r
-    if max(cfg.head_dim, cfg.head_dim_v) > 512:
-        return _no(f"head dim {max(cfg.head_dim, cfg.head_dim_v)} > 512")
+    if why := native.unsupported_reason(cfg.head_dim, cfg.head_dim_v):
+        return _no(why)
     if (r := _unserved_features(cfg, f"jax_sdpa_cpu_{direction}", "the CPU kernel")):
         return r
     return _ok("native flash-attention kernel: faster than xla on every CPU shape measured "
@@ -202,10 +205,6 @@ def segments_as_mask(cfg: Config) -> Optional[Config]:
                                mask_dtype=cfg.dtype)
 
 
-# The oldest cuDNN our soft-capping score modifier is validated on (the GPU tests).
-CUDNN_SOFT_CAP_MIN_VERSION = 91900
-
-
 def _supports_cudnn(call: "_Call") -> Verdict:
     """What our cuDNN graphs (cuda/cudnn/cudnn_sdpa.cc) serve; cuDNN's own support check
     still runs when the graph is built and its message is raised if it refuses. Segment
@@ -252,17 +251,18 @@ def _supports_cudnn(call: "_Call") -> Verdict:
                        "cuDNN >= 9.10.2, the loaded one is " + _cudnn_version_str(version))
     if cfg.has_sinks and version < 91300:
         return _no("attention sinks need cuDNN >= 9.13, the loaded one is " + _cudnn_version_str(version))
-    if p.logits_soft_cap > 0 and (cc < (9, 0) or version < CUDNN_SOFT_CAP_MIN_VERSION):
+    soft_cap_from = tuning.CUDNN_SOFT_CAP_MIN_VERSION
+    if p.logits_soft_cap > 0 and (cc < (9, 0) or version < soft_cap_from):
         return _no("soft-capping runs as cuDNN's score modifier (a flexible graph), which "
                    "needs compute capability >= 9.0 and is validated from cuDNN "
-                   f"{_cudnn_version_str(CUDNN_SOFT_CAP_MIN_VERSION)}; here {cc[0]}.{cc[1]}, "
+                   f"{_cudnn_version_str(soft_cap_from)}; here {cc[0]}.{cc[1]}, "
                    "cuDNN " + _cudnn_version_str(version))
-    if p.logits_soft_cap > 0 and (cfg.has_q_lengths or cfg.has_kv_lengths):
-        # cuda/cudnn/cudnn_sdpa.cc check_soft_cap: wrong outputs on the H200, cuDNN 9.19
-        return _no("our cuDNN graphs don't combine logits_soft_cap with q/kv lengths")
-    if cfg.has_sinks and cfg.batch > 1 and getattr(cfg, "sinks_batch", 1) > 1:
-        return _no("cuDNN takes one sink logit per head; per-batch sinks [B, Hq] are "
-                   "not supported")
+    # what the handlers refuse (cuda/cudnn/cudnn_sdpa.cc unsupported_reason): soft-capping
+    # with lengths, per-batch sinks
+    if why := native.cudnn_unsupported_reason(
+            cfg.batch, p.logits_soft_cap, cfg.has_q_lengths or cfg.has_kv_lengths,
+            cfg.has_sinks and cfg.sinks_batch > 1):
+        return _no(why)
     if aligned_br and cfg.mask_kind != MASK_NONE:
         # cuDNN 9.19: "Bottom right causal mask is only supported with is_bias=False"
         # (forward and backward); a bool mask is passed as a bias too.
@@ -502,12 +502,12 @@ def _decode_pick(call: "_Call") -> Optional[str]:
         if (cfg.has_kv_lengths or cfg.has_q_lengths) and \
                 tuning.CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS:
             return "cuda"
-        if rows <= 4 and cfg.head_dim == cfg.head_dim_v:
+        few_rows, many_rows = tuning.CUDA_DECODE_OVER_CUDNN_ROWS
+        if rows <= few_rows and cfg.head_dim == cfg.head_dim_v:
             pick = tuning.CUDA_DECODE_FEW_ROWS.get(cfg.head_dim, (None, None))[0 if big else 1]
             if pick is not None:
                 return pick
-        return "cuda" if tuning.CUDA_DECODE_OVER_CUDNN_ROWS[0] < rows <= \
-            tuning.CUDA_DECODE_OVER_CUDNN_ROWS[1] else None
+        return "cuda" if few_rows < rows <= many_rows else None
     if cfg.dtype == np.dtype(np.float32):
         return None
     if dmax > 256:
@@ -545,7 +545,7 @@ def _cuda_flash_preferred(cfg: Config, direction: str = "fwd") -> bool:
             direction in tuning.CUDA_FLASH_FOR_FEATURES.get(f, ()) for f in cfg.features)
     if _wgmma_flash_runs(cfg, direction):
         return True
-    return cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES
+    return cfg.score_bytes > tuning.XLA_CHUNKED_SCORE_BYTES
 
 
 def _wide_in_xla_bounds(cfg: Config) -> bool:
@@ -592,7 +592,7 @@ def _preference(call: "_Call"):
             if pick == "cuda":
                 return ["cuda", "cudnn"]
             if pick == "xla":
-                return []  # our XLA path (_xla_choice)
+                return []  # our XLA path (xla_choice)
         if not call.cudnn[0] and (_wide_backward_in_xla(cfg, direction)
                                   or _wide_forward_in_xla(cfg, direction)):
             return ["xla"]
@@ -608,8 +608,10 @@ def _preference(call: "_Call"):
     return []
 
 
-def _xla_choice(cfg: Config) -> str:
-    return "xla_chunked" if cfg.score_bytes > XLA_CHUNKED_SCORE_BYTES else "xla"
+def xla_choice(cfg: Config) -> str:
+    """Our XLA path's form for this call: the chunked online softmax above
+    XLA_CHUNKED_SCORE_BYTES of float32 scores (jax_sdpa/tuning.py), else the exact one."""
+    return "xla_chunked" if cfg.score_bytes > tuning.XLA_CHUNKED_SCORE_BYTES else "xla"
 
 
 def xla_probs_dtype(cfg: Config, platform: str) -> Optional[str]:
@@ -634,6 +636,15 @@ class Plan:
     probs_dtype: Optional[str] = None
     # cuDNN with segment ids: the lowering passes them as the mask `segments_as_mask` says
     segments_as_mask: bool = False
+    # flash_attn3 with segment ids: the plan of what runs a call whose ids its varlen kernels
+    # can't take (checked when the call runs): what implementation=None runs without
+    # flash-attn3-jax, named
+    fallback: Optional["Plan"] = None
+    # (config, platform, direction) of the call the plan was made for (`lowering_plan`)
+    call: tuple = dataclasses.field(default=(), repr=False)
+
+    def made_for(self, cfg: Config, platform: str, direction: str) -> bool:
+        return self.call == (cfg, platform, direction)
 
 
 def _choose(call: "_Call", implementation: Optional[str], without=()) -> str:
@@ -646,7 +657,7 @@ def _choose(call: "_Call", implementation: Optional[str], without=()) -> str:
     for name in _preference(call):
         if name not in without and call.verdict(name)[0]:
             return name
-    return _xla_choice(call.cfg)
+    return xla_choice(call.cfg)
 
 
 def _target(call: "_Call", name: str) -> str:
@@ -663,19 +674,42 @@ def _target(call: "_Call", name: str) -> str:
     return f"jax_sdpa_{name}_{call.direction}"
 
 
+def _plan_of(call: "_Call", name: str, cfg: Config) -> Plan:
+    """The plan that runs `call` with implementation `name` (one that serves it), made for
+    `cfg` (the call's config, its `implementation` as the primitive carries it)."""
+    reason = call.verdict(name)[1]
+    made_for = (cfg, call.platform, call.direction)
+    if name in ("xla", "xla_chunked"):
+        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, call.platform), call=made_for)
+    target = _target(call, name)
+    fallback = None
+    if name == "flash_attn3" and cfg.has_segment_ids:
+        other = _choose(call, None, without=("flash_attn3",))
+        fallback = _plan_of(call, other, dataclasses.replace(
+            cfg, params=dataclasses.replace(cfg.params, implementation=other)))
+    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason,
+                segments_as_mask=name == "cudnn" and cfg.has_segment_ids, fallback=fallback,
+                call=made_for)
+
+
 def plan(cfg: Config, platform: str, direction: str = "fwd",
          implementation: Optional[str] = None, without=()) -> Plan:
     """The implementation, FFI target and workspace of this call (raises
     NotImplementedError when a named implementation can't serve it); `without`: names
     implementation=None passes over."""
     call = _Call(cfg, direction, platform)
-    name = _choose(call, implementation, without)
-    reason = call.verdict(name)[1]
-    if name in ("xla", "xla_chunked"):
-        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
-    target = _target(call, name)
-    return Plan(name, target, ffi_workspace_bytes(target, cfg), reason,
-                segments_as_mask=name == "cudnn" and cfg.has_segment_ids)
+    return _plan_of(call, _choose(call, implementation, without), cfg)
+
+
+def lowering_plan(cfg: Config, platform: str, direction: str,
+                  carried: Optional[Plan] = None) -> Plan:
+    """The plan a lowering of this call emits: `carried` (made at trace time by the entry
+    point that named the implementation, in the primitive's params) where it was made for
+    this very call, else a plan of `cfg.params.implementation`. A batched, sharded,
+    differentiated or cross-platform lowering sees another call and plans anew."""
+    if carried is not None and carried.made_for(cfg, platform, direction):
+        return carried
+    return plan(cfg, platform, direction, cfg.params.implementation)
 
 
 def choose(cfg: Config, platform: str, direction: str = "fwd",
@@ -719,11 +753,12 @@ def _without_features(cfg: Config) -> Config:
         cfg.params, logits_soft_cap=0.0))
 
 
-def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
-    """Whether implementation `name` serves a paged call (`cfg` describes the contiguous
-    call it stands for): its module registers the paged target, its kernels serve the
-    shapes (the rules of the contiguous forward; on CUDA, our decode kernel's) and the
+def _paged_rule(call: "_PagedCall", name: str) -> Verdict:
+    """Whether implementation `name` serves a paged call (`call.cfg` describes the
+    contiguous call it stands for): its module registers the paged target, its kernels serve
+    the shapes (the rules of the contiguous forward; on CUDA, our decode kernel's) and the
     target declares the features the call uses."""
+    cfg, platform = call.cfg, call.platform
     if name in ("xla", "xla_chunked"):
         return _ok("gathers the pages into a contiguous cache, then "
                    + ("the online softmax over key blocks" if name == "xla_chunked"
@@ -736,17 +771,13 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     target = paged_target(name)
     if target not in _ext.ffi_targets():
         return _no(f"this build's {name} module registers no paged target ({target})")
-    base = _without_features(cfg)
-    if name == "cuda":
-        ok, why = _Call(base, "fwd", platform).decode
-    else:
-        ok, why = _Call(base, "fwd", platform).verdict(name)
+    ok, why = call.base.decode if name == "cuda" else call.base.verdict(name)
     if not ok:
         return _no(why)
     if (r := _unserved_features(cfg, target, f"the {name} paged kernel")):
         return r
     if name == "cuda":
-        why = _paged_decode_refusal(cfg)
+        why = call.decode_refusal
         kernel = ("our decode kernel through the page table" if not why else
                   f"the flash forward's feature kernel ({why} rules out the paged decode "
                   "kernel)")
@@ -754,21 +785,43 @@ def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
     return _ok(f"reads the pages in place [{target}]")
 
 
-def _paged_decode_refusal(cfg: Config) -> str:
-    """Why our CUDA paged target runs the flash feature kernel rather than the paged
-    decode kernel for this call ('' when the decode kernel reads the pages), as the CUDA
-    module says."""
-    if cfg.features:
-        return "soft-capping"
-    return _native().paged_decode_unsupported_reason(*_shape_args(cfg))
+class _PagedCall:
+    """One paged call's verdicts, each computed at most once."""
+
+    def __init__(self, cfg: Config, platform: str):
+        self.cfg, self.platform = cfg, platform
+        self._verdicts = {}
+
+    def verdict(self, name: str) -> Verdict:
+        if name not in self._verdicts:
+            self._verdicts[name] = _paged_rule(self, name)
+        return self._verdicts[name]
+
+    @functools.cached_property
+    def base(self) -> _Call:
+        """The contiguous forward without features, which the base rules judge."""
+        return _Call(_without_features(self.cfg), "fwd", self.platform)
+
+    @functools.cached_property
+    def decode_refusal(self) -> str:
+        """Why our CUDA paged target runs the flash feature kernel rather than the paged
+        decode kernel for this call ('' when the decode kernel reads the pages), as the
+        CUDA module says."""
+        if self.cfg.features:
+            return "soft-capping"
+        return _native().paged_decode_unsupported_reason(*_shape_args(self.cfg))
+
+    def preferred(self, name: str) -> bool:
+        """Whether implementation=None takes `name` for the call where it serves: our CUDA
+        target only where the paged decode kernel reads the pages
+        (CUDA_PAGED_FLASH_FOR_NONE of jax_sdpa/tuning.py), else the XLA gather."""
+        return (name != "cuda" or tuning.CUDA_PAGED_FLASH_FOR_NONE
+                or not self.decode_refusal)
 
 
-def _paged_preferred(name: str, cfg: Config) -> bool:
-    """Whether implementation=None takes `name` for a paged call it serves: our CUDA target
-    only where the paged decode kernel reads the pages (CUDA_PAGED_FLASH_FOR_NONE of
-    jax_sdpa/tuning.py), else the XLA gather."""
-    return (name != "cuda" or tuning.CUDA_PAGED_FLASH_FOR_NONE
-            or not _paged_decode_refusal(cfg))
+def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
+    """Whether implementation `name` serves a paged call (`_paged_rule`)."""
+    return _PagedCall(cfg, platform).verdict(name)
 
 
 def _paged_preference(platform: str):
@@ -779,28 +832,41 @@ def _paged_preference(platform: str):
     return []
 
 
+def _plan_paged(call: _PagedCall, implementation: Optional[str]) -> Plan:
+    cfg, platform = call.cfg, call.platform
+    if implementation is None:
+        name = next((n for n in _paged_preference(platform)
+                     if call.verdict(n)[0] and call.preferred(n)), None) or xla_choice(cfg)
+    else:
+        name = implementation
+    ok, reason = call.verdict(name)
+    if not ok:
+        raise NotImplementedError(f"jax_sdpa: implementation={name!r} can't serve this paged "
+                                  f"call: {reason}")
+    made_for = (cfg, platform, "paged")
+    if name in ("xla", "xla_chunked"):
+        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform), call=made_for)
+    target = paged_target(name)
+    workspace = cuda_decode_workspace_bytes(cfg) if name == "cuda" else 0
+    return Plan(name, target, workspace, reason, call=made_for)
+
+
 def plan_paged(cfg: Config, platform: str, implementation: Optional[str] = None) -> Plan:
     """The plan of a paged forward: a named implementation runs or raises
     NotImplementedError with its reason; None takes the first fused one whose module serves
     paged calls, else xla / xla_chunked (never fails for want of a kernel)."""
-    if implementation is None:
-        names = [n for n in _paged_preference(platform)
-                 if _paged_verdict(n, cfg, platform)[0] and _paged_preferred(n, cfg)]
-        name = names[0] if names else _xla_choice(cfg)
-    else:
-        name = implementation
-    ok, reason = _paged_verdict(name, cfg, platform)
-    if not ok:
-        raise NotImplementedError(f"jax_sdpa: implementation={name!r} can't serve this paged "
-                                  f"call: {reason}")
-    if name in ("xla", "xla_chunked"):
-        return Plan(name, None, 0, reason, xla_probs_dtype(cfg, platform))
-    target = paged_target(name)
-    workspace = cuda_decode_workspace_bytes(cfg) if name == "cuda" else 0
-    return Plan(name, target, workspace, reason)
+    return _plan_paged(_PagedCall(cfg, platform), implementation)
+
+
+def paged_lowering_plan(cfg: Config, platform: str, carried: Optional[Plan] = None) -> Plan:
+    """`lowering_plan` of a paged forward."""
+    if carried is not None and carried.made_for(cfg, platform, "paged"):
+        return carried
+    return plan_paged(cfg, platform, cfg.params.implementation)
 
 
 def explain_paged_choice(cfg: Config, platform: str):
     """(chosen, {name: (ok, reason)}) for every implementation of a paged call."""
-    verdicts = {name: _paged_verdict(name, cfg, platform) for name in IMPLEMENTATIONS}
-    return plan_paged(cfg, platform).implementation, verdicts
+    call = _PagedCall(cfg, platform)
+    verdicts = {name: call.verdict(name) for name in IMPLEMENTATIONS}
+    return _plan_paged(call, None).implementation, verdicts

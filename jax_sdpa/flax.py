@@ -273,7 +273,7 @@ def _attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dr
     # precision: XLA:CPU multiplies float32 exactly anyway; elsewhere HIGHEST runs the fused
     # kernels in their full-accuracy mode, other non-default precisions the exact path.
     fp32_exact = False
-    if not _precision_is_default(precision) and api._trace_platform() != "cpu":
+    if not _precision_is_default(precision) and api.trace_platform() != "cpu":
         if _precision_is_highest(precision):
             fp32_exact = True
         else:

@@ -130,14 +130,16 @@ def paged_attention(q, k_pages, v_pages, page_indices, kv_lengths, *,
     args = _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, sinks,
                          logits_soft_cap, local_window_size, kv_layout, implementation)
     q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, layout = args
-    if implementation is not None:  # a named one that can't serve says why, at trace time
-        dispatch.plan_paged(_config_of(*args), api._trace_platform(), implementation)
+    # A named implementation is planned here: one that can't serve says why at trace time,
+    # and the lowering takes the plan.
+    plan = None if implementation is None else dispatch.plan_paged(
+        _config_of(*args), api.trace_platform(), implementation)
     b, hq, lq, _ = q.shape
     if b == 0 or lq == 0:
         dv = PagedShape.of(v_pages.shape, layout).head_dim
         return jnp.zeros((b, hq, lq, dv), q.dtype)
     return _paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params=params,
-                  kv_layout=layout)
+                  kv_layout=layout, plan=plan)
 
 
 def _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, sinks,
@@ -206,16 +208,16 @@ def explain(q, k_pages, v_pages, page_indices, kv_lengths, *, scale=None, mask=N
     jax.eval_shape(trace, q, k_pages, v_pages, page_indices, kv_lengths,
                    None if mask_string else mask, sinks)
     cfg = captured["cfg"]
-    platform = platform or api._trace_platform()
+    platform = platform or api.trace_platform()
     chosen, verdicts = dispatch.explain_paged_choice(cfg, platform)
     return api.Explanation(chosen=chosen, platform=platform, direction="paged fwd",
                            verdicts=verdicts, config=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "kv_layout"))
-def _paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, kv_layout):
+@functools.partial(jax.jit, static_argnames=("params", "kv_layout", "plan"))
+def _paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, kv_layout, plan):
     return paged_fwd(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params,
-                     kv_layout)[0]
+                     kv_layout, plan)[0]
 
 
 def paged_kv_write(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new, *,
@@ -276,19 +278,21 @@ sdpa_paged_fwd_p.multiple_results = True
 
 
 def paged_fwd(q, k_pages, v_pages, page_indices, kv_lengths, sinks, params: StaticParams,
-              kv_layout: int):
-    """Binds sdpa_paged_fwd_p (sinks may be None). Returns (out, lse)."""
+              kv_layout: int, plan=None):
+    """Binds sdpa_paged_fwd_p (sinks may be None; `plan`: the dispatch.Plan made for this
+    call at trace time, None: the lowering makes it). Returns (out, lse)."""
     has_sinks = sinks is not None
     sinks = sinks if has_sinks else jnp.zeros((0,), jnp.float32)
     return tuple(sdpa_paged_fwd_p.bind(q, k_pages, v_pages, page_indices, kv_lengths, sinks,
                                        has_sinks=has_sinks, kv_layout=int(kv_layout),
-                                       **dataclasses.asdict(params)))
+                                       **dataclasses.asdict(params), plan=plan))
 
 
 def _split(kw):
+    """(has_sinks, kv_layout, params, carried plan) of the primitive's params."""
     kw = dict(kw)
-    has_sinks, kv_layout = kw.pop("has_sinks"), kw.pop("kv_layout")
-    return has_sinks, kv_layout, StaticParams(**kw)
+    has_sinks, kv_layout, plan = kw.pop("has_sinks"), kw.pop("kv_layout"), kw.pop("plan", None)
+    return has_sinks, kv_layout, StaticParams(**kw), plan
 
 
 def paged_config(q_shape, k_pages_shape, v_pages_shape, dtype, page_indices_shape,
@@ -335,15 +339,15 @@ def reference_paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, *, par
 
 def _lower(platform):
     def rule(ctx, *args, **kw):
-        has_sinks, kv_layout, params = _split(kw)
+        has_sinks, kv_layout, params, carried = _split(kw)
         if sharding.needs_partitioning(ctx):
             return sharding.lower_paged_partitioned(ctx, sdpa_paged_fwd_p, args, kw)
         q, k_pages, v_pages, page_indices, _, sinks = ctx.avals_in
         cfg = paged_config(q.shape, k_pages.shape, v_pages.shape, q.dtype, page_indices.shape,
                            has_sinks, params, kv_layout,
                            sinks.shape[0] if has_sinks else 1)
-        plan = dispatch.plan_paged(cfg, platform or primitives._platform_of(ctx),
-                                   params.implementation)
+        plan = dispatch.paged_lowering_plan(cfg, platform or primitives.platform_of(ctx),
+                                            carried)
         if plan.target is None:
             chunked = plan.implementation == "xla_chunked"
 
@@ -355,8 +359,8 @@ def _lower(platform):
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         attrs = paged_ffi_attrs(params, has_sinks, kv_layout)
         if plan.workspace_bytes:
-            return primitives._lower_with_workspace(ctx, plan.target, args, attrs,
-                                                    plan.workspace_bytes)
+            return primitives.lower_with_workspace(ctx, plan.target, args, attrs,
+                                                   plan.workspace_bytes)
         return jax.ffi.ffi_lowering(plan.target)(ctx, *args, **attrs)
 
     return rule
@@ -401,7 +405,7 @@ def _batch(args, dims, **kw):
     """vmap: q, page_indices, kv_lengths (and per-call sinks) fold into the batch; a vmapped
     page pool is folded into one pool of size * num_pages pages, each call's page indices
     offset into its own (out-of-range ones stay out of range)."""
-    has_sinks, kv_layout, _ = _split(kw)
+    has_sinks, kv_layout, *_ = _split(kw)
     q, k_pages, v_pages, page_indices, kv_lengths, sinks = args
     qd, kd, vd, idxd, lend, sd = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)

@@ -8,8 +8,10 @@ with optional = (mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_i
 Operands and semantics are those of docs/ffi_contract.md; absent optional
 operands are zero-sized placeholders plus a `has_*` flag. Each primitive has an
 abstract eval, a batching rule (vmapped axes are folded into the batch), the
-pure-JAX reference as the default lowering, and per-platform lowerings that ask
-`dispatch` for the call's plan (implementation, FFI target, workspace) once and emit it.
+pure-JAX reference as the default lowering, and per-platform lowerings that emit the
+call's plan (implementation, FFI target, workspace): the one the `plan` param carries when
+it was made for this call (an entry point that named the implementation made it at trace
+time), else one `dispatch` makes there.
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ def _static_kwargs(params: StaticParams):
 
 
 def fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
-        q_segment_ids=None, kv_segment_ids=None):
-    """Binds sdpa_fwd_p. The optional operands may be None. Returns (out, lse)."""
+        q_segment_ids=None, kv_segment_ids=None, plan=None):
+    """Binds sdpa_fwd_p. The optional operands may be None; `plan`: the dispatch.Plan made
+    for this call at trace time (None: the lowering makes it). Returns (out, lse)."""
     optional, flags = _optional_operands(mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                                          kv_segment_ids)
-    out, lse = sdpa_fwd_p.bind(q, k, v, *optional, **flags, **_static_kwargs(params))
+    out, lse = sdpa_fwd_p.bind(q, k, v, *optional, **flags, **_static_kwargs(params),
+                               plan=plan)
     return out, lse
 
 
@@ -230,8 +234,8 @@ def _lower(direction, platform):
         # The optional operands start after q, k, v (fwd) or q, k, v, out, lse, dout (bwd).
         cfg = _config_from_avals([avals[0], avals[1], avals[2], avals[n_fixed],
                                   avals[n_fixed + 1]], flags, params)
-        lowering_platform = platform or _platform_of(ctx)
-        plan = dispatch.plan(cfg, lowering_platform, direction, params.implementation)
+        plan = dispatch.lowering_plan(cfg, platform or platform_of(ctx), direction,
+                                      kw.get("plan"))
         if plan.target is None:  # xla / xla_chunked
             chunked = plan.implementation == "xla_chunked"
 
@@ -242,20 +246,19 @@ def _lower(direction, platform):
 
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
         if plan.implementation == "flash_attn3":
-            if not cfg.has_segment_ids:
+            if plan.fallback is None:
                 return flash_attn3.lower(ctx, direction, args, params)
-            # Packed calls whose ids the varlen kernels can't take run what None picks
-            # without flash-attn3-jax (decided here, taken when the call runs).
-            other = dispatch.plan(cfg, lowering_platform, direction, None,
-                                  without=("flash_attn3",)).implementation
-            fallback = functools.partial(prim.bind, **dict(kw, implementation=other))
+            # Packed calls whose ids the varlen kernels can't take run the plan's fallback
+            # (taken when the call runs): the primitive with that implementation named.
+            fallback = functools.partial(prim.bind, **dict(
+                kw, implementation=plan.fallback.implementation, plan=plan.fallback))
             return flash_attn3.lower(ctx, direction, args, params, packed=True,
                                      fallback=fallback)
         if plan.segments_as_mask:
             return _lower_segments_as_mask(ctx, plan.target, n_fixed, args, flags, params)
         attrs = _ffi_attrs(params, flags)
         if plan.workspace_bytes:
-            return _lower_with_workspace(ctx, plan.target, args, attrs, plan.workspace_bytes)
+            return lower_with_workspace(ctx, plan.target, args, attrs, plan.workspace_bytes)
         return jax.ffi.ffi_lowering(plan.target)(ctx, *args, **attrs)
 
     return rule
@@ -281,7 +284,7 @@ def _lower_segments_as_mask(ctx, target, n_fixed, args, flags, params):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
-def _lower_with_workspace(ctx, target, args, attrs, workspace_bytes):
+def lower_with_workspace(ctx, target, args, attrs, workspace_bytes):
     """The custom call with an extra 1-D uint8 result of `workspace_bytes`, dropped: the
     primitive's results are the call's first ones. Our CUDA decode kernel's target returns
     such a workspace besides out and lse (split-K partials + counters, allocated by XLA so
@@ -293,7 +296,8 @@ def _lower_with_workspace(ctx, target, args, attrs, workspace_bytes):
     return list(results)[:n_out]
 
 
-def _platform_of(ctx):
+def platform_of(ctx):
+    """The platform a lowering without a rule of its own emits code for."""
     platforms = getattr(ctx.module_context, "platforms", None) or ["cpu"]
     return platforms[0]
 

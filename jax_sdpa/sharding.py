@@ -24,7 +24,7 @@ the same primitive in
   shard's shapes.
 
 Inside `shard_map` the primitive sees per-shard shapes over the manual axes; axes left
-automatic (`axis_names=`) are partitioned the same way, except that plans needing a
+automatic (`axis_names=`) are partitioned the same way, except that splits needing a
 psum (more head shards than kv heads) are not used there. Programs lowered without a
 device assignment fall back to the plain lowering (correct, replicated).
 """
@@ -100,7 +100,7 @@ class _Layout:
 
 
 # ---------------------------------------------------------------------------
-# the plan: which devices split batch and heads
+# the split: which devices split batch and heads
 #
 # The partition callback gets raw shardings (decode_shardings=False): under an
 # Auto-mode jit without `with mesh:` there is no mesh to decode them against. So we
@@ -131,7 +131,7 @@ def _tile_devices(sharding, ndim):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Split:
     mesh: Mesh  # axes (_B, _HK, _HG, _REST)
     batch_axes: tuple  # split the batch
     head_axes: tuple  # split the query heads: (_HK, _HG)
@@ -139,14 +139,14 @@ class _Plan:
     reduce_axes: tuple  # hold the same kv head: dk/dv are partial sums over these
 
 
-def _plan(layout: _Layout, shardings, allow_reduce: bool = True) -> _Plan:
+def _split(layout: _Layout, shardings, allow_reduce: bool = True) -> _Split:
     h = layout.head_axis
     tiles = _tile_devices(shardings[0], 4)
     if tiles is None:
         tiles = _tile_devices(shardings[1], 4)
     if tiles is None:
         devices = np.asarray(shardings[0]._device_assignment, dtype=object)
-        return _Plan(Mesh(devices.reshape(1, 1, 1, -1), _AXES), (), (), (), ())
+        return _Split(Mesh(devices.reshape(1, 1, 1, -1), _AXES), (), (), (), ())
     hq, hk = layout.heads_q, layout.heads_kv
 
     def heads_ok(n):
@@ -176,7 +176,7 @@ def _plan(layout: _Layout, shardings, allow_reduce: bool = True) -> _Plan:
         t_kv = t_group = 1
     mesh = Mesh(devices.reshape(tb, t_kv, t_group, -1), _AXES)
     heads = tuple(a for a, t in ((_HK, t_kv), (_HG, t_group)) if t > 1)
-    return _Plan(mesh, batch, heads, (_HK,) if t_kv > 1 else (),
+    return _Split(mesh, batch, heads, (_HK,) if t_kv > 1 else (),
                  (_HG,) if t_group > 1 else ())
 
 
@@ -184,9 +184,9 @@ def _axes(t):
     return None if not t else (t[0] if len(t) == 1 else t)
 
 
-def _specs(layout: _Layout, plan: _Plan):
-    """(operand specs, result specs) for a plan."""
-    b, h, kvh = _axes(plan.batch_axes), _axes(plan.head_axes), _axes(plan.kv_head_axes)
+def _specs(layout: _Layout, split: _Split):
+    """(operand specs, result specs) for a split."""
+    b, h, kvh = _axes(split.batch_axes), _axes(split.head_axes), _axes(split.kv_head_axes)
 
     def seq(bb, hh):  # a [B, H, L, D] / [B, L, H, D] tensor
         return P(bb, None, hh, None) if layout.seq_major else P(bb, hh, None, None)
@@ -263,7 +263,7 @@ def lower_partitioned(ctx, prim, direction, args, kw):
     layout = _Layout.from_avals(direction, ctx.avals_in, kw["seq_major"])
     # Inside a partially manual shard_map the callback sees only the automatic axes'
     # devices: fine for independent shards, but a psum's replica groups would be wrong,
-    # so plans that need one (kv heads shared by head shards) are not used there.
+    # so splits that need one (kv heads shared by head shards) are not used there.
     allow_reduce = not (SPMDAxisContext and isinstance(ctx.module_context.axis_context,
                                                        SPMDAxisContext))
 
@@ -272,8 +272,8 @@ def lower_partitioned(ctx, prim, direction, args, kw):
 
     def partition(mesh, arg_shapes, result_shape):
         del mesh  # empty without `with mesh:`; ours comes from the operands
-        plan = _plan(layout, [a.sharding for a in arg_shapes], allow_reduce)
-        specs, results = _specs(layout, plan)
+        split = _split(layout, [a.sharding for a in arg_shapes], allow_reduce)
+        specs, results = _specs(layout, split)
 
         def per_shard(*xs):
             # Per-shard code is manual: bound with no mesh in context. Under jax.set_mesh
@@ -282,17 +282,17 @@ def lower_partitioned(ctx, prim, direction, args, kw):
             # no backend runs.
             with jax.sharding.use_abstract_mesh(_NO_MESH):
                 outs = tuple(prim.bind(*xs, **kw))
-            if direction == "bwd" and plan.reduce_axes:
+            if direction == "bwd" and split.reduce_axes:
                 # several head shards use the same kv head: their dk/dv are partial sums
-                outs = (outs[0],) + tuple(lax.psum(o, plan.reduce_axes) for o in outs[1:])
+                outs = (outs[0],) + tuple(lax.psum(o, split.reduce_axes) for o in outs[1:])
             return outs
 
-        named = lambda ss: tuple(NamedSharding(plan.mesh, s) for s in ss)  # noqa: E731
-        return plan.mesh, per_shard, named(results), named(specs)
+        named = lambda ss: tuple(NamedSharding(split.mesh, s) for s in ss)  # noqa: E731
+        return split.mesh, per_shard, named(results), named(specs)
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (jax_use_shardy_partitioner=False)
-        plan = _plan(layout, [a.sharding for a in arg_shapes], allow_reduce)
-        return tuple(NamedSharding(plan.mesh, s) for s in _specs(layout, plan)[1])
+        split = _split(layout, [a.sharding for a in arg_shapes], allow_reduce)
+        return tuple(NamedSharding(split.mesh, s) for s in _specs(layout, split)[1])
 
     op = custom_partitioning(body)
     rule, replicated, factors = _sharding_rule(layout)
@@ -311,7 +311,7 @@ def lower_partitioned(ctx, prim, direction, args, kw):
 # ---------------------------------------------------------------------------
 # the paged forward (jax_sdpa/paged.py): split over batch and kv heads
 
-def _paged_plan(q_shape, heads_kv, q_sharding):
+def _paged_split(q_shape, heads_kv, q_sharding):
     """(mesh with axes (_B, _HK, _REST), batch axes, head axes) from q's sharding: its batch
     tiles split the batch, its head tiles the kv heads when each shard then holds whole kv
     heads (and their pages' head slices); anything else is replicated."""
@@ -349,7 +349,7 @@ def lower_paged_partitioned(ctx, prim, args, kw):
 
     def partition(mesh, arg_shapes, result_shape):
         del mesh
-        m, batch, heads = _paged_plan(q_shape, hk, arg_shapes[0].sharding)
+        m, batch, heads = _paged_split(q_shape, hk, arg_shapes[0].sharding)
         operand_specs, result_specs = specs(batch, heads)
 
         def per_shard(*xs):
@@ -360,7 +360,7 @@ def lower_paged_partitioned(ctx, prim, args, kw):
         return m, per_shard, named(result_specs), named(operand_specs)
 
     def infer(mesh, arg_shapes, result_shape):
-        m, batch, heads = _paged_plan(q_shape, hk, arg_shapes[0].sharding)
+        m, batch, heads = _paged_split(q_shape, hk, arg_shapes[0].sharding)
         return tuple(NamedSharding(m, s) for s in specs(batch, heads)[1])
 
     qh = "k" if hk == hq else ("g" if hk == 1 else "(k g)")

@@ -23,8 +23,12 @@ ROWS = {
         256 << 20,
         "above this many bytes of float32 scores our XLA path runs the chunked online "
         "softmax (O(L) memory) instead of materializing the scores, several times over in "
-        "the backward (a memory bound, not a speed crossover: tests/test_memory.py)",
-        ""),
+        "the backward (a memory bound, not a speed crossover; tests/test_memory.py holds "
+        "the chunked path's temporaries far below the scores). fp32 B1 H8 D64 fwd+bwd on "
+        "the 2-core CPU: 128 MiB of scores (L2048) xla 2.5 s with 512 MiB of temporaries, "
+        "xla_chunked 7.7 s with 334 MiB; 512 MiB of scores (L4096) xla 9.5 s with 2.0 GiB, "
+        "xla_chunked 13.6 s with 345 MiB",
+        "benchmarks/results/cpu_2core/small.json"),
     "CUDA_DECODE_OVER_CUDNN_ROWS": Row(
         (4, 32),
         "where cuDNN serves a decode call, our decode kernel for 4 < R <= 32 query rows per "
@@ -33,7 +37,8 @@ ROWS = {
         "benchmarks/results/h200/decode_tuning/crossover_20261130T2010.json"),
     "CUDA_DECODE_FEW_ROWS": Row(
         {128: ("cuda", None), 192: ("cuda", "xla"), 256: ("cuda", "xla")},
-        "where cuDNN serves a 16-bit decode call with R <= 4 query rows per kv head and "
+        "where cuDNN serves a 16-bit decode call with R <= 4 query rows per kv head (the "
+        "lower bound of CUDA_DECODE_OVER_CUDNN_ROWS) and "
         "D = Dv: head dim -> (what runs it from CUDA_DECODE_MIN_KV_BYTES of K + V, what runs "
         "it below), None for cuDNN; other head dims cuDNN. D128: our decode kernel B8 "
         "H32/KV8 Lk8192 3804 vs 3524 GB/s for our cuDNN graph, B1 Lk32768 3048 vs 2797, B64 "
@@ -130,6 +135,14 @@ ROWS = {
         "15.9 ms fwd / fwd+bwd, our flash kernels 7.03 / 39.9, jax.nn's cuDNN with the same "
         "mask as a bool array 3.69 / 16.1",
         "benchmarks/results/h200/peers_packed.json"),
+    "CUDNN_SOFT_CAP_MIN_VERSION": Row(
+        91900,
+        "soft-capping on our cuDNN graphs (cuDNN's score modifier, a flexible graph, compute "
+        "capability >= 9.0) from this cuDNN version, the one it is validated on: the float64 "
+        "oracle's soft-cap cases (tests/test_segments_softcap.py "
+        "test_cudnn_soft_cap_against_oracle) pass on the H200 with cuDNN 9.19; below it "
+        "the other implementations serve soft-capping (CUDA_FLASH_FOR_FEATURES)",
+        "benchmarks/results/h200/tests_gpu_softcap.xml"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
@@ -168,6 +181,7 @@ CUDA_DECODE_MIN_KV_BYTES = ROWS["CUDA_DECODE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MIN_KV_BYTES = ROWS["CUDA_DECODE_WIDE_MIN_KV_BYTES"].value
 CUDA_DECODE_WIDE_MAX_ROWS = ROWS["CUDA_DECODE_WIDE_MAX_ROWS"].value
 CUDA_FLASH_FP32_MAX_HEAD_DIM = ROWS["CUDA_FLASH_FP32_MAX_HEAD_DIM"].value
+CUDNN_SOFT_CAP_MIN_VERSION = ROWS["CUDNN_SOFT_CAP_MIN_VERSION"].value
 CUDA_FLASH_FOR_FEATURES = ROWS["CUDA_FLASH_FOR_FEATURES"].value
 CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS = ROWS["CUDA_DECODE_OVER_CUDNN_WITH_LENGTHS"].value
 XLA_WIDE_BWD_MAX_SCORE_BYTES = ROWS["XLA_WIDE_BWD_MAX_SCORE_BYTES"].value

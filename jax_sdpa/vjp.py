@@ -32,11 +32,13 @@ from jax_sdpa.config import StaticParams
 
 
 def attention(q, k, v, mask, sinks, q_lengths, kv_lengths, params: StaticParams,
-              q_segment_ids=None, kv_segment_ids=None):
+              q_segment_ids=None, kv_segment_ids=None, plan=None):
     """(out, lse) through `sdpa_fwd_p`; differentiable in q, k, v, an additive mask and
-    sinks (lse too: its tangent and cotangent are handled, the entry points stop it)."""
+    sinks (lse too: its tangent and cotangent are handled, the entry points stop it).
+    `plan`: the forward's dispatch.Plan made at trace time, or None."""
     return primitives.fwd(q, k, v, mask, sinks, q_lengths, kv_lengths, params,
-                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                          plan=plan)
 
 
 # ---------------------------------------------------------------------------
@@ -61,7 +63,7 @@ def _chunked(optional, flags, params, q, k, v) -> bool:
     cfg = primitives._config_from_avals([q, k, v, optional[0], optional[1]], flags, params)
     name = params.implementation
     if name not in ("xla", "xla_chunked"):
-        name = dispatch._xla_choice(cfg)
+        name = dispatch.xla_choice(cfg)
     return name == "xla_chunked"
 
 

@@ -324,7 +324,7 @@ def test_precision_highest_runs_fused_in_full_fp32_mode(monkeypatch):
 
     if not _ext.has_backend("cpu"):
         pytest.skip("needs the native CPU kernel (its custom call carries the attribute)")
-    monkeypatch.setattr(api, "_trace_platform", lambda: "cuda")
+    monkeypatch.setattr(api, "trace_platform", lambda: "cuda")
     ks = jax.random.split(jax.random.key(_seed()), 3)
     q, k, v = (jax.random.normal(x, (2, 9, 4, 16)) for x in ks)
 

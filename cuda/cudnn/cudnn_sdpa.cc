@@ -19,7 +19,7 @@
 //   scaled scores, then the band (cuDNN takes no built-in mask beside a modifier, so the
 //   modifier applies it with the frontend's own mask builder), then the bias: cap before
 //   the additive mask, as the contract orders them. Not with q/kv lengths (see
-//   check_soft_cap);
+//   unsupported_reason);
 // - sinks -> SINK_TOKEN [sB, Hq, 1, 1] (cuDNN adds exp(sink) to the softmax sum
 //   unscaled, as the contract wants); the backward needs no sinks because the
 //   stats already include them;
@@ -143,6 +143,19 @@ bool bottom_right_aligned(const SdpaParams& p, bool has_lengths) {
   // alignments are the same diagonal; TOP_LEFT is the one cuDNN combines with everything,
   // bias included).
   return band_bounded(p) && p.bottom_right && (has_lengths || p.len_q != p.len_kv);
+}
+
+std::string unsupported_reason(const SdpaParams& p, bool has_lengths, bool per_batch_sinks) {
+  // The score modifier's padding mask (the frontend's, on the seq_len tensors) gave wrong
+  // outputs with kv lengths on the H200 (cuDNN 9.19, B3 Lq64 Lk190 causal: max relative
+  // error 0.88): soft-capped calls with lengths are left to the other implementations.
+  if (p.logits_soft_cap > 0 && has_lengths)
+    return "our cuDNN graphs don't combine logits_soft_cap with q/kv lengths";
+  // cuDNN's SINK_TOKEN is one logit per head: a [B, Hq, 1, 1] tensor built and ran on
+  // cuDNN 9.19 but gave wrong outputs (H200 test).
+  if (per_batch_sinks && p.batch > 1)
+    return "cuDNN takes one sink logit per head; per-batch sinks [B, Hq] are not supported";
+  return "";
 }
 
 namespace {
@@ -588,15 +601,14 @@ Status check_dtype(const SdpaParams& p) {
   return Status::Ok();
 }
 
-// The score modifier's padding mask (the frontend's, on the seq_len tensors) gave wrong
-// outputs with kv lengths on the H200 (cuDNN 9.19, B3 Lq64 Lk190 causal: max relative error
-// 0.88): soft-capped calls with lengths are left to the other implementations.
-Status check_soft_cap(const SdpaParams& p) {
-  if (p.logits_soft_cap > 0 && (p.q_lengths != nullptr || p.kv_lengths != nullptr))
-    return Status::Error(Status::kUnimplemented,
-                         "jax_sdpa: our cuDNN graphs don't combine logits_soft_cap with q/kv "
-                         "lengths (" + shape_str(p) + ")");
-  return Status::Ok();
+// unsupported_reason as the handler's error. The backward graph takes no sinks (their
+// gradient is computed in JAX), so per-batch sinks are refused in the forward only.
+Status check_features(const SdpaParams& p, bool backward) {
+  const bool per_batch_sinks = !backward && p.sinks != nullptr && p.sinks_batch_stride != 0;
+  const std::string why =
+      unsupported_reason(p, p.q_lengths != nullptr || p.kv_lengths != nullptr, per_batch_sinks);
+  if (why.empty()) return Status::Ok();
+  return Status::Error(Status::kUnimplemented, "jax_sdpa: " + why + " (" + shape_str(p) + ")");
 }
 
 template <typename F>
@@ -618,13 +630,7 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
       return cuda_status(cudnn_kernels::fix_forward_rows(p, b.out, b.lse, stream),
                          "row fix-up kernel");
     if (Status st = check_dtype(p); !st.ok()) return st;
-    if (Status st = check_soft_cap(p); !st.ok()) return st;
-    // cuDNN's SINK_TOKEN is one logit per head: a [B, Hq, 1, 1] tensor built and
-    // ran on cuDNN 9.19 but gave wrong outputs (H200 test), so refuse it here.
-    if (p.sinks != nullptr && p.sinks_batch_stride != 0 && p.batch > 1)
-      return Status::Error(Status::kUnimplemented,
-                           "jax_sdpa: cuDNN takes one sink logit per head ([1, Hq]); per-batch "
-                           "sinks [B, Hq] are not supported (" + shape_str(p) + ")");
+    if (Status st = check_features(p, /*backward=*/false); !st.ok()) return st;
     int device = 0;
     if (Status st = current_device(&device); !st.ok()) return st;
     DeviceState* dev = nullptr;
@@ -681,7 +687,7 @@ Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t 
       return Status::Ok();
     }
     if (Status st = check_dtype(p); !st.ok()) return st;
-    if (Status st = check_soft_cap(p); !st.ok()) return st;
+    if (Status st = check_features(p, /*backward=*/true); !st.ok()) return st;
     int device = 0;
     if (Status st = current_device(&device); !st.ok()) return st;
     DeviceState* dev = nullptr;

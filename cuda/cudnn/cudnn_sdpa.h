@@ -46,6 +46,11 @@ Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t 
 // applies to such calls: cuDNN >= 9.6, no bias).
 bool bottom_right_aligned(const SdpaParams& p, bool has_lengths);
 
+// Why our cuDNN graphs refuse a call for what it combines ('' when they don't): soft-capping
+// with q/kv lengths, per-batch sinks [B, Hq] (B > 1). The handlers refuse with it and
+// dispatch asks it (`cudnn_unsupported_reason` of the _sdpa_cuda module).
+std::string unsupported_reason(const SdpaParams& p, bool has_lengths, bool per_batch_sinks);
+
 long runtime_version();   // cudnnGetVersion() of the loaded libcudnn
 long compiled_version();  // CUDNN_VERSION of the headers
 long frontend_version();  // CUDNN_FRONTEND_VERSION of the headers
