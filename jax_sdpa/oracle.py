@@ -262,6 +262,10 @@ TF32_GRAD_RTOL = 2e-3
 LOW_PRECISION_FLOOR = {"float16": 2e-3, "bfloat16": 1.6e-2}
 # lse, every dtype: scores are float32 sums of exact products (16-bit inputs are widened).
 LSE_ATOL = 1e-5
+# lse of the GPU kernels (ours, cuDNN): float32 exponentials on the special function unit
+# (ex2.approx) over rows of up to 32k keys; our decode kernels measure up to 1.3e-6 of |lse|.
+GPU_LSE_ATOL = 1e-4
+GPU_KERNEL_IMPLEMENTATIONS = frozenset({"cuda", "cudnn"})
 # lse of fp32 calls on TF32 tensor cores: the scores carry TF32's 2^-11 rounding.
 TF32_LSE_ATOL = 4e-3
 
@@ -371,11 +375,11 @@ def tolerance(dtype, implementation: Optional[str] = None, *, grad: bool = False
 
 def lse_tolerance(dtype, implementation: Optional[str] = None, *, tf32: bool = False,
                   case: Optional[str] = None) -> float:
-    """The largest lse_error an implementation may have against the oracle: LSE_ATOL;
-    TF32_LSE_ATOL for fp32 on TF32 tensor cores (as `tolerance`); `case`: one of
-    NAMED_CASES instead."""
+    """The largest lse_error an implementation may have against the oracle: LSE_ATOL,
+    GPU_LSE_ATOL for GPU_KERNEL_IMPLEMENTATIONS, TF32_LSE_ATOL for fp32 on TF32 tensor cores
+    (as `tolerance`); `case`: one of NAMED_CASES instead."""
     if case is not None:
         return _named(case, _dtype_name(dtype), 2)
     if tf32 and _dtype_name(dtype) == "float32" and implementation in TF32_IMPLEMENTATIONS:
         return TF32_LSE_ATOL
-    return LSE_ATOL
+    return GPU_LSE_ATOL if implementation in GPU_KERNEL_IMPLEMENTATIONS else LSE_ATOL

@@ -139,7 +139,8 @@ def test_named_cases_and_the_lse_rule():
         oracle.tolerance("float32", case="same_library")
     assert oracle.lse_tolerance("bfloat16", "cpu") == oracle.LSE_ATOL
     assert oracle.lse_tolerance("float32", "cuda", tf32=True) == oracle.TF32_LSE_ATOL
-    assert oracle.lse_tolerance("float32", "cudnn", tf32=True) == oracle.LSE_ATOL
+    assert oracle.lse_tolerance("bfloat16", "cudnn", tf32=True) == oracle.GPU_LSE_ATOL
+    assert oracle.lse_tolerance("float32", "metal") == oracle.LSE_ATOL
     want = np.array([1.0, -np.inf, np.nan, 3.0])
     assert oracle.lse_error(want + np.array([2**-20, 0, 0, -2**-18]), want) == 2**-18
     assert oracle.lse_error(np.array([1.0, 0.0, np.nan, 3.0]), want) == np.inf
