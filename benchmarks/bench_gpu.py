@@ -1,4 +1,4 @@
-"""cuDNN path on the GPU beside jax.nn, every PEERS.md row, in one run.
+"""cuDNN path on the GPU beside jax.nn, the prefill and decode rows below, in one run.
 
     python3 benchmarks/bench_gpu.py --out results.json [--rows prefill,decode] [--quick]
 

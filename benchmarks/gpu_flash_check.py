@@ -1,16 +1,16 @@
 """Our CUDA flash-attention prefill kernels (docs/cuda_flash.md) on the GPU:
 correctness matrix against the float64 oracle (jax_sdpa.oracle), then the timing rows.
 
-Run on the H200 machine after building the package with the CUDA backend:
-    python3 benchmarks/gpu_flash_check.py --out $OUT                  # TF32 fp32 + fp16/bf16
-    JAX_SDPA_CUDA_FP32=highest python3 benchmarks/gpu_flash_check.py --only check --fp32-tol 1e-5 \
-        --fp32-grad-tol 1e-5
+Run on the GPU machine after building the package with the CUDA backend:
+    python3 -P benchmarks/gpu_flash_check.py --out $OUT               # TF32 fp32 + fp16/bf16
+    JAX_SDPA_CUDA_FP32=highest python3 -P benchmarks/gpu_flash_check.py --only check
 
-Calls `jax_sdpa_cuda_flash_fwd` and `jax_sdpa_cuda_flash_bwd` (when registered) directly through
-jax.ffi.ffi_call after registering them from jax_sdpa._sdpa_cuda.registrations(). Outputs are
-poisoned (JAX_SDPA_POISON_OUTPUTS=1) so that an element the kernel forgets to write shows up as
-NaN. JAX_SDPA_CUDA_FP32=highest (read here) passes fp32_precision = 1 (3xTF32) on the direct
-calls and runs the API rows under jax.default_matmul_precision("highest"); unset: TF32.
+Calls `jax_sdpa_cuda_flash_fwd` and `jax_sdpa_cuda_flash_bwd` (as jax_sdpa._ext registers
+them) directly through jax.ffi.ffi_call. Outputs are poisoned (JAX_SDPA_POISON_OUTPUTS=1) so
+that an element the kernel forgets to write shows up as NaN. JAX_SDPA_CUDA_FP32=highest (read
+here) passes fp32_precision = 1 (3xTF32) on the direct calls, judged by the tolerance policy's
+case for it (fp32 gradients as exact as the outputs), and runs the API rows under
+jax.default_matmul_precision("highest"); unset: TF32.
 """
 from __future__ import annotations
 
@@ -39,20 +39,13 @@ DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 HIGHEST = os.environ.get("JAX_SDPA_CUDA_FP32", "") == "highest"
 
 
-def register():
-    from jax_sdpa import _sdpa_cuda  # type: ignore
+def registered():
+    """The flash targets jax_sdpa._ext registered from the CUDA module."""
+    from jax_sdpa import _ext
 
-    caps = _sdpa_cuda.registrations()
-    found = []
-    for name in (FWD, BWD):
-        if name in caps:
-            try:  # jax_sdpa._ext may already have registered it (same capsule)
-                jax.ffi.register_ffi_target(name, caps[name], platform="CUDA")
-            except Exception as e:  # noqa: BLE001
-                print(f"note: registering {name}: {e}", flush=True)
-            found.append(name)
+    found = [name for name in (FWD, BWD) if name in _ext.ffi_targets()]
     if FWD not in found:
-        sys.exit(f"{FWD} is not in jax_sdpa._sdpa_cuda.registrations(): {sorted(caps)}")
+        sys.exit(f"{FWD} is not registered: {_ext.status().get('_sdpa_cuda')}")
     return found
 
 
@@ -214,17 +207,23 @@ def make_inputs(c, rng):
     return (q, k, v), kw
 
 
-def run_check(seed=0, fp32_tol=None, with_bwd=False, only=(), fp32_grad_tol=None):
+def run_check(seed=0, with_bwd=False, only=()):
     """The check over cases() (those whose name contains one of `only`, if given), judged by
-    jax_sdpa.oracle's tolerance policy (fp32_tol / fp32_grad_tol override its fp32 bounds)."""
+    jax_sdpa.oracle's tolerance policy: its "cuda_3xtf32" case for fp32 under
+    JAX_SDPA_CUDA_FP32=highest, its TF32 bounds otherwise."""
     rng = np.random.default_rng(seed)
     names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
     def tolerance(dt, grad, xla_err):
-        if dt == "fp32" and (fp32_grad_tol if grad else fp32_tol):
-            return fp32_grad_tol if grad else fp32_tol
+        if dt == "fp32" and HIGHEST:
+            return oracle.tolerance("float32", grad=grad, case="cuda_3xtf32")
         return oracle.tolerance(names[dt], "cuda", grad=grad, xla_error=xla_err,
                                 tf32=not HIGHEST)
+
+    def lse_tolerance(dt):
+        if dt == "fp32" and HIGHEST:
+            return oracle.lse_tolerance("float32", case="cuda_3xtf32")
+        return oracle.lse_tolerance(names[dt], "cuda", tf32=not HIGHEST)
 
     results, fails = [], 0
     for c in cases():
@@ -257,9 +256,9 @@ def run_check(seed=0, fp32_tol=None, with_bwd=False, only=(), fp32_grad_tol=None
         fin = np.isfinite(ref_l)
         inf_ok = bool(np.array_equal(fin, np.isfinite(lse)) and
                       np.all(lse[~fin] == -np.inf))
-        err_l = float(np.abs(lse[fin] - ref_l[fin]).max()) if fin.any() else 0.0
+        err_l = oracle.lse_error(lse, ref_l)
         nan = bool(np.isnan(o).any())
-        ok = (not nan) and inf_ok and err_o <= tol_o and err_l <= 4 * tol_o
+        ok = (not nan) and inf_ok and err_o <= tol_o and err_l <= lse_tolerance(c["dt"])
         res = dict(case=c["name"], ok=ok, err_out=err_o, err_lse=err_l, nan=nan,
                    lse_inf_pattern_ok=inf_ok)
         if with_bwd:
@@ -429,87 +428,6 @@ def run_bench(rows=BENCH_ROWS, have_bwd=False, peers=True, only=None, api=False)
     return out
 
 
-# ---------------------------------------------------------------------------
-# --only bwd_sweep: the fp32 backward's run-time variants (JAX_SDPA_FLASH_BWD_VARIANT, read by
-# the C++ launcher on every call, so one compiled executable serves all of them; TF32 only)
-# ---------------------------------------------------------------------------
-BWD_VARIANTS = ("base", "flat", "ldsm", "flat_ldsm", "flat_ldsm_kreg", "flat_ldsm_kvreg")
-BWD_SWEEP_ROWS = [  # (name, B, H, L, D, causal)
-    ("SD3 B2 H38 L4250 D64 fp32", 2, 38, 4250, 64, False),
-    ("fp32 B1 H16 L8192 D128", 1, 16, 8192, 128, False),
-    ("SD3 B2 H38 L4250 D64 fp32 causal", 2, 38, 4250, 64, True),
-]
-
-
-def run_bwd_sweep(budget_s=55.0, variants=BWD_VARIANTS):
-    knob = "JAX_SDPA_FLASH_BWD_VARIANT"
-    saved = os.environ.get(knob)
-    t_start = time.perf_counter()
-    out = []
-    try:
-        for name, B, H, L, D, causal in BWD_SWEEP_ROWS:
-            kq, kk, kv = jax.random.split(jax.random.PRNGKey(1), 3)
-            q, k, v = (jax.random.normal(x, (B, H, L, D), jnp.float32) for x in (kq, kk, kv))
-            flops = 4 * B * H * L * L * D / (2 if causal else 1)
-            wr = 0 if causal else -1
-            fwd = jax.jit(lambda q, k, v, wr=wr: flash_fwd(q, k, v, wr=wr))
-
-            def fb(q, k, v, wr=wr):
-                o, lse = flash_fwd(q, k, v, wr=wr)
-                return flash_bwd(q, k, v, o, lse, o, wr=wr)  # dout = out: any dense tensor
-
-            fbj = jax.jit(fb)
-            os.environ.pop(knob, None)
-            t_fwd = median_time(fwd, (q, k, v))
-            ref = jax.block_until_ready(fbj(q, k, v))  # the default kernel's dq, dk, dv
-            scales = [max(1.0, float(jnp.max(jnp.abs(r)))) for r in ref]
-            recs = []
-            for var in variants:
-                if D > 64 and "reg" in var:
-                    continue  # D > 64 runs flat_ldsm for these (no register room)
-                if time.perf_counter() - t_start > budget_s:
-                    print(f"bwd_sweep: budget {budget_s:.0f}s spent, skipping the rest",
-                          flush=True)
-                    break
-                os.environ[knob] = var
-                rec = dict(sweep="bwd", row=name, variant=var)
-                try:
-                    g = jax.block_until_ready(fbj(q, k, v))
-                    diffs = [float(jnp.max(jnp.abs(x - r))) / sc
-                             for x, r, sc in zip(g, ref, scales)]
-                    del g
-                    t = median_time(fbj, (q, k, v))
-                    rec.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12,
-                               fwd_ms=t_fwd * 1e3, bwd_ms_est=(t - t_fwd) * 1e3,
-                               bwd_tflops_est=2.5 * flops / max(t - t_fwd, 1e-9) / 1e12,
-                               rel_diff_dq=diffs[0], rel_diff_dk=diffs[1], rel_diff_dv=diffs[2],
-                               status="DIFFERS" if max(diffs) > 1e-3 or
-                               not all(math.isfinite(x) for x in diffs) else "ok")
-                except Exception as e:  # noqa: BLE001
-                    rec["error"] = str(e)[:300]
-                print(json.dumps(rec), flush=True)
-                out.append(rec)
-                recs.append(rec)
-            good = [r for r in recs if r.get("status") == "ok"]
-            if good:
-                best = min(good, key=lambda r: r["fwdbwd_ms"])
-                base = next((r for r in recs if r["variant"] == "base" and "fwdbwd_ms" in r),
-                            None)
-                print(json.dumps(dict(sweep="bwd", row=name, best=best["variant"],
-                                      fwdbwd_ms=best["fwdbwd_ms"],
-                                      fwdbwd_tflops=best["fwdbwd_tflops"],
-                                      bwd_ms_est=best["bwd_ms_est"],
-                                      speedup_vs_base=(base["fwdbwd_ms"] / best["fwdbwd_ms"]
-                                                       if base else None))), flush=True)
-            del q, k, v, ref
-    finally:
-        if saved is None:
-            os.environ.pop(knob, None)
-        else:
-            os.environ[knob] = saved
-    return out
-
-
 def _precision():
     """The API rows' matmul precision (the direct calls pass fp32_precision themselves)."""
     import contextlib
@@ -519,11 +437,8 @@ def _precision():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", choices=("check", "bench", "bwd_sweep"))
+    ap.add_argument("--only", choices=("check", "bench"))
     ap.add_argument("--out", default=None, help="folder for flash_check.json")
-    ap.add_argument("--fp32-tol", type=float, default=None)
-    ap.add_argument("--fp32-grad-tol", type=float, default=None,
-                    help="fp32 grads' tolerance (default: twice the output's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peers", action="store_true", help="time only our kernels")
     ap.add_argument("--rows", default="", help="comma-separated substrings of bench row names")
@@ -531,21 +446,13 @@ def main():
     ap.add_argument("--api", action="store_true",
                     help="bench: also time jax_sdpa.dot_product_attention per implementation")
     a = ap.parse_args()
-    found = register()
+    found = registered()
     res = dict(device=str(jax.devices()[0]), jax=jax.__version__, targets=found,
                fp32_mode="highest (3xTF32)" if HIGHEST else "tf32")
     print(json.dumps(res), flush=True)
     if a.only in (None, "check"):
-        res["check"] = run_check(a.seed, a.fp32_tol, with_bwd=BWD in found,
-                                 only=[c for c in a.cases.split(",") if c],
-                                 fp32_grad_tol=a.fp32_grad_tol)
-    if a.only == "bwd_sweep":
-        if BWD not in found:
-            sys.exit(f"{BWD} is not registered: no backward to sweep")
-        if HIGHEST:
-            print("note: JAX_SDPA_CUDA_FP32=highest: every variant runs the default kernel",
-                  flush=True)
-        res["bwd_sweep"] = run_bwd_sweep()
+        res["check"] = run_check(a.seed, with_bwd=BWD in found,
+                                 only=[c for c in a.cases.split(",") if c])
     if a.only in (None, "bench"):
         with _precision():
             res["bench"] = run_bench(have_bwd=BWD in found, peers=not a.no_peers,

@@ -77,7 +77,7 @@ SUITES = {
                        ("fwd+bwd",)),
     "cpu-long-bf16": (_sweep("B1 H4 D64 bf16", (1024, 4096, 8192), b=1, hq=4, hk=4,
                              d=64, dtype="bfloat16"), ("fwd", "fwd+bwd")),
-    # GPU rows of PEERS.md
+    # GPU rows (benchmarks/gpu_peers.py times the same shapes beside every peer)
     "prefill": ([
         Case("B4 H32 L4096 D128", 4, 32, 32, 4096, 4096, 128, "bfloat16"),
         Case("B4 H32 L4096 D128 causal", 4, 32, 32, 4096, 4096, 128, "bfloat16", True),

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jax_sdpa  # noqa: E402
+from jax_sdpa import oracle  # noqa: E402
 
 IMPL = "xla_chunked"
 _rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
@@ -32,11 +33,14 @@ def normal(*shape):
     return jnp.asarray(_rng.standard_normal(shape), jnp.float32)
 
 
-def close(got, want, what, tol=3e-5):
+# Two float32 runs of one call: the tolerance policy's named case for them.
+TOL = oracle.tolerance("float32", case="fp32_agreement")
+
+
+def close(got, want, what, tol=TOL):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        err = np.max(np.abs(g - w)) / max(1.0, np.max(np.abs(w)))
-        if not np.isfinite(g).all() or err > tol:
+        err = oracle.max_rel_error(g, w)
+        if not np.isfinite(np.asarray(g, np.float64)).all() or err > tol:
             raise AssertionError(f"{what}: max error {err:.3g} > {tol}")
 
 

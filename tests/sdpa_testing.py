@@ -200,7 +200,7 @@ def assert_no_nan(x, what="output"):
 
 def assert_close(got, want, dtype, xla_same_dtype=None, rtol_fp32=FP32_RTOL, what="output"):
     """fp32: max error <= rtol_fp32 relative to max |want|. fp16/bf16: no worse than 2x
-    the error of XLA in the same dtype plus a floor (DESIGN §4)."""
+    the error of XLA in the same dtype plus a floor (jax_sdpa.oracle.tolerance)."""
     assert_no_nan(got, what)
     err = max_rel_error(got, want)
     if dtype == "float32":

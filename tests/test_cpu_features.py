@@ -1,8 +1,8 @@
 """The cpu kernel's packed sequences (segment ids) and logit soft-capping, forward and backward,
-through direct calls of its FFI targets (jax_sdpa_cpu_fwd / _bwd) against float64 oracles:
-jax_sdpa.oracle with the segments written as the equivalent bool mask, and a dense numpy
-soft-cap oracle here. Fresh random inputs, odd shapes, GQA, segments of length 1, unsorted ids,
-rows that see nothing; outputs are poisoned by the handlers (tests/conftest.py)."""
+through direct calls of its FFI targets (jax_sdpa_cpu_fwd / _bwd) against the float64 oracle
+(jax_sdpa.oracle; the segments also written as the equivalent bool mask) within its tolerance
+policy. Fresh random inputs, odd shapes, GQA, segments of length 1, unsorted ids, rows that see
+nothing; outputs are poisoned by the handlers (tests/conftest.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,12 @@ from jax_sdpa.primitives import ffi_call_args
 pytestmark = pytest.mark.skipif(_ext.module("_sdpa_cpu") is None,
                                 reason="the cpu kernel is not built into this installation")
 
-RTOL = 1e-5
-GRAD_RTOL = 3e-5
+RTOL = oracle.tolerance("float32", "cpu")
+GRAD_RTOL = oracle.tolerance("float32", "cpu", grad=True)
+LSE_ATOL = oracle.lse_tolerance("float32", "cpu")
+# Two calls doing the same visible work: the policy's bounds for that named case.
+SAME_WORK_RTOL = oracle.tolerance("float32", case="fp32_same_work")
+SAME_WORK_GRAD_RTOL = oracle.tolerance("float32", case="fp32_same_work", grad=True)
 
 
 def _normal(rng, *shape):
@@ -42,6 +46,14 @@ def _call_bwd(q, k, v, out, lse, dout, **kw):
 
 def _rel(got, want):
     return oracle.max_rel_error(got, want)
+
+
+def _lse_err(got, want):
+    return oracle.lse_error(got, want)
+
+
+def _tol(dtype):
+    return oracle.tolerance(dtype, "cpu")
 
 
 def _segments(rng, b, length, kind):
@@ -94,9 +106,7 @@ def test_segments_forward_and_backward(shape, kind, causal, rng):
     want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
                                     v.astype(np.float64), **ow)
     assert _rel(out, want) <= RTOL
-    fin = np.isfinite(want_lse)
-    np.testing.assert_array_equal(np.isfinite(lse), fin)
-    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-4)
+    assert _lse_err(lse, want_lse) <= LSE_ATOL
     dout = _normal(rng, *out.shape)
     grads = _call_bwd(q, k, v, out, lse, dout, **kw)
     wg = oracle.backward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
@@ -123,7 +133,7 @@ def test_segments_with_mask_sinks_lengths_window_bf16(rng):
     want, _ = oracle.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                              scale=0.3, mask=dense, sinks=sinks.astype(np.float64), q_lengths=ql,
                              kv_lengths=kvl, window_left=20, window_right=5)
-    assert _rel(out.astype(np.float32), want) <= oracle.LOW_PRECISION_FLOOR["bfloat16"]
+    assert _rel(out.astype(np.float32), want) <= _tol("bfloat16")
 
 
 def test_nan_key_of_another_segment_never_reaches_a_row(rng):
@@ -140,7 +150,7 @@ def test_nan_key_of_another_segment_never_reaches_a_row(rng):
     k0 = k.copy()
     k0[0, 0, 45] = 0.0
     out0, lse0 = _call_fwd(q, k0, v, **kw)
-    np.testing.assert_allclose(out[0, :, :40], out0[0, :, :40], rtol=0, atol=1e-6)
+    assert _rel(out[0, :, :40], out0[0, :, :40]) <= SAME_WORK_RTOL
 
 
 def test_segment_blocks_that_never_meet_cost_nothing_but_still_write(rng):
@@ -159,47 +169,13 @@ def test_segment_blocks_that_never_meet_cost_nothing_but_still_write(rng):
         sl = slice(s * seg, (s + 1) * seg)
         o1, l1 = _call_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=0.25)
         g1 = _call_bwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], o1, l1, dout[:, :, sl], scale=0.25)
-        np.testing.assert_allclose(out[:, :, sl], o1, rtol=0, atol=2e-6)
+        assert _rel(out[:, :, sl], o1) <= SAME_WORK_RTOL
         for got, want in zip((dq, dk, dv), g1):
-            np.testing.assert_allclose(got[:, :, sl], want, rtol=0, atol=2e-5)
+            assert _rel(got[:, :, sl], want) <= SAME_WORK_GRAD_RTOL
 
 
 # ---------------------------------------------------------------------------
-# soft-capping: a dense float64 oracle of the contract (cap before the additive mask)
-
-def _softcap_oracle(q, k, v, dout, *, scale, cap, bias=None, sinks=None, causal=False):
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    g = q.shape[1] // k.shape[1]
-    kf, vf = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    x = scale * np.einsum("bhid,bhjd->bhij", q, kf)
-    t = np.tanh(x / cap)
-    s = cap * t
-    if bias is not None:
-        s = s + bias
-    lq, lk = q.shape[2], k.shape[2]
-    vis = np.ones((lq, lk), bool)
-    if causal:
-        vis = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + (lk - lq)
-    s = np.where(vis, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    if sinks is not None:
-        m = np.maximum(m, sinks[None, :, None, None])
-    p = np.exp(s - m)
-    tot = p.sum(-1, keepdims=True)
-    if sinks is not None:
-        tot = tot + np.exp(sinks[None, :, None, None] - m)
-    p = p / tot
-    out = np.einsum("bhij,bhjd->bhid", p, vf)
-    lse = (m + np.log(tot))[..., 0]
-    dp = np.einsum("bhid,bhjd->bhij", dout, vf)
-    delta = (p * dp).sum(-1, keepdims=True)
-    ds = p * (dp - delta) * (1 - t * t)
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kf)
-    b, hk = k.shape[:2]
-    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q).reshape(b, hk, g, lk, -1).sum(2)
-    dv = np.einsum("bhij,bhid->bhjd", p, dout).reshape(b, hk, g, lk, -1).sum(2)
-    return out, lse, (dq, dk, dv)
-
+# soft-capping (the contract: cap before the additive mask; sinks are not capped)
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 33, 47, 16), (1, 2, 1, 1, 130, 64),
@@ -221,13 +197,17 @@ def test_soft_cap_forward_and_backward(shape, with_bias, rng):
         kw.update(window_right=0, bottom_right=True)
     out, lse = _call_fwd(q, k, v, **kw)
     dout = _normal(rng, *out.shape)
-    want, want_lse, wg = _softcap_oracle(q, k, v, dout, scale=scale, cap=cap, bias=bias,
-                                         sinks=sinks[0].astype(np.float64), causal=causal)
+    ow = dict(scale=scale, logits_soft_cap=cap, sinks=sinks[0].astype(np.float64),
+              mask=None if bias is None else bias.astype(np.float64))
+    if causal:
+        ow.update(window_right=0, bottom_right=True)
+    want, want_lse = oracle.forward(*(x.astype(np.float64) for x in (q, k, v)), **ow)
+    wg = oracle.backward(*(x.astype(np.float64) for x in (q, k, v, dout)), **ow)
     assert _rel(out, want) <= RTOL
-    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+    assert _lse_err(lse, want_lse) <= LSE_ATOL
     grads = _call_bwd(q, k, v, out, lse, dout, **kw)
-    for name, got, w in zip(("dq", "dk", "dv"), grads, wg):
-        assert _rel(got, w) <= GRAD_RTOL, name
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert _rel(got, wg[name]) <= GRAD_RTOL, name
 
 
 def test_soft_cap_with_segments_and_tiny_logits(rng):
@@ -239,11 +219,10 @@ def test_soft_cap_with_segments_and_tiny_logits(rng):
     base = dict(scale=1.0, q_segment_ids=ids, kv_segment_ids=ids)
     capped, _ = _call_fwd(q, k, v, logits_soft_cap=1e4, **base)
     plain, _ = _call_fwd(q, k, v, **base)
-    np.testing.assert_allclose(capped, plain, rtol=0, atol=1e-6)
+    assert _rel(capped, plain) <= SAME_WORK_RTOL
     small_cap, _ = _call_fwd(q, k, v, logits_soft_cap=0.01, **base)
-    dout = np.zeros_like(small_cap)
-    want, _, _ = _softcap_oracle(q, k, v, dout, scale=1.0, cap=0.01,
-                                 bias=np.where(_segment_mask(ids, ids, hq), 0.0, -np.inf))
+    want, _ = oracle.forward(*(x.astype(np.float64) for x in (q, k, v)), scale=1.0,
+                             logits_soft_cap=0.01, q_segment_ids=ids, kv_segment_ids=ids)
     assert _rel(small_cap, want) <= RTOL
 
 
@@ -271,15 +250,16 @@ def test_decode_tiles(shape, dtype, rng):
                                     v.astype(np.float64), scale=1 / np.sqrt(d),
                                     sinks=sinks.astype(np.float64), kv_lengths=kvl,
                                     window_right=0, bottom_right=True)
-    tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
-    assert _rel(out.astype(np.float32), want) <= tol
-    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
-    # with the soft cap (full lengths: the dense oracle here has no lengths)
-    kw.update(kv_lengths=None, logits_soft_cap=cap)
+    assert _rel(out.astype(np.float32), want) <= _tol(dtype)
+    assert _lse_err(lse, want_lse) <= LSE_ATOL
+    # with the soft cap
+    kw.update(logits_soft_cap=cap)
     out, _ = _call_fwd(*(jnp.asarray(x, dt) for x in (q, k, v)), **kw)
-    want, _, _ = _softcap_oracle(q, k, v, np.zeros(out.shape), scale=1 / np.sqrt(d), cap=cap,
-                                 sinks=sinks[0].astype(np.float64), causal=True)
-    assert _rel(out.astype(np.float32), want) <= tol
+    want, _ = oracle.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                             scale=1 / np.sqrt(d), sinks=sinks.astype(np.float64),
+                             kv_lengths=kvl, window_right=0, bottom_right=True,
+                             logits_soft_cap=cap)
+    assert _rel(out.astype(np.float32), want) <= _tol(dtype)
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 1, 1, 3000, 64), (1, 2, 2, 40, 2500, 32),
@@ -299,7 +279,7 @@ def test_keys_split_across_threads(shape, rng):
                                         v.astype(np.float64), scale=1 / np.sqrt(d),
                                         sinks=sinks.astype(np.float64), kv_lengths=lengths)
         assert _rel(out, want) <= RTOL
-        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2e-5)
+        assert _lse_err(lse, want_lse) <= LSE_ATOL
     k_nan = k.copy()
     k_nan[0, 0, lk - 5] = np.nan  # in the last share; kv head 0 only
     out, lse = _call_fwd(q, k_nan, v, scale=1 / np.sqrt(d))
@@ -348,9 +328,8 @@ def test_decode_from_a_slot_major_cache(shape, dtype, rng):
     if b == 1:
         finite[(hk - 1) * g:] = False
         assert np.isnan(out[-1, ~finite]).all() and np.isnan(lse[-1, ~finite]).all()
-    tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
-    assert _rel(out[:, finite], want[:, finite]) <= tol
-    np.testing.assert_allclose(lse[:, finite], want_lse[:, finite], rtol=0, atol=2e-5)
+    assert _rel(out[:, finite], want[:, finite]) <= _tol(dtype)
+    assert _lse_err(lse[:, finite], want_lse[:, finite]) <= LSE_ATOL
 
 
 @pytest.mark.parametrize("shape", [(1, 16, 16, 300, 130, 64), (2, 32, 8, 65, 200, 128),
@@ -376,7 +355,7 @@ def test_prefill_from_a_slot_major_cache(shape, rng):
     want, want_lse = oracle.forward(q64, k64, v64, scale=1 / np.sqrt(d), kv_lengths=kvl,
                                     mask=bias.astype(np.float64))
     assert _rel(np.asarray(out).transpose(0, 2, 1, 3), want) <= RTOL
-    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=0, atol=2e-5)
+    assert _lse_err(lse, want_lse) <= LSE_ATOL
 
 
 # ---------------------------------------------------------------------------
@@ -420,20 +399,11 @@ def test_paged_forward_reads_pages_in_place(layout, case, rng):
         got = np.asarray(got.astype(jnp.float32))
         assert np.isfinite(got).all()
         kz, vz = np.nan_to_num(k), np.nan_to_num(v)
-        if cap is None:
-            want, _ = oracle.forward(q.astype(np.float64), kz.astype(np.float64),
-                                     vz.astype(np.float64), sinks=sinks.astype(np.float64),
-                                     kv_lengths=lengths, window_right=0, bottom_right=True)
-        else:  # the dense soft-cap oracle, one row at a time (lengths differ)
-            want = np.zeros_like(got, np.float64)
-            for bi in range(b):
-                n = lengths[bi]
-                want[bi:bi + 1], _, _ = _softcap_oracle(
-                    q[bi:bi + 1], kz[bi:bi + 1, :, :n], vz[bi:bi + 1, :, :n],
-                    np.zeros((1, hq, lq, d)), scale=1 / np.sqrt(d), cap=cap,
-                    sinks=sinks.astype(np.float64), causal=True)
-        tol = RTOL if dtype == "float32" else oracle.LOW_PRECISION_FLOOR[dtype]
-        assert _rel(got, want) <= tol, cap
+        want, _ = oracle.forward(q.astype(np.float64), kz.astype(np.float64),
+                                 vz.astype(np.float64), sinks=sinks.astype(np.float64),
+                                 kv_lengths=lengths, window_right=0, bottom_right=True,
+                                 logits_soft_cap=cap)
+        assert _rel(got, want) <= _tol(dtype), cap
 
 
 # ---------------------------------------------------------------------------
@@ -512,18 +482,17 @@ def test_bf16_forward_and_backward_match_float64(shape, case, rng):
     want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
                                     v.astype(np.float64), **ow)
     # The output's own rounding to bf16 is 2^-9 relative; P's rounding adds less.
-    assert _rel(out.astype(np.float32), want) <= 6e-3
+    bf16 = dict(case="cpu_bfloat16")
+    assert _rel(out.astype(np.float32), want) <= oracle.tolerance("bfloat16", **bf16)
     # Scores are exact products summed in float32: lse is float32-accurate.
-    fin = np.isfinite(want_lse)
-    np.testing.assert_array_equal(np.isfinite(lse), fin)
-    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-4)
+    assert _lse_err(lse, want_lse) <= oracle.lse_tolerance("bfloat16", "cpu")
     # The backward (S^T and dP^T by bf16 pairs) from our forward's outputs.
     dout = np.asarray(bf(_normal(rng, *out.shape)).astype(jnp.float32))
     grads = _call_bwd(bf(q), bf(k), bf(v), out, lse, bf(dout), **kw, **extra)
     wg = oracle.backward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                          dout.astype(np.float64), **ow)
     for name, g in zip(("dq", "dk", "dv"), grads):
-        assert _rel(g, wg[name]) <= 8e-3, name
+        assert _rel(g, wg[name]) <= oracle.tolerance("bfloat16", grad=True, **bf16), name
 
 
 BF16_DECODE_SHAPES = [  # b, hq, hk, lq, lk, d, dv: decode-shaped tiles (at most 8 rows)
@@ -579,10 +548,9 @@ def test_bf16_decode_tiles_match_float64(shape, seq_major, case, rng):
                                                       *operands)
     out = layout(np.asarray(out.astype(jnp.float32)))
     # The output's own rounding to bf16 is 2^-9 relative; P's rounding adds less.
-    assert _rel(out, want) <= 6e-3
-    fin = np.isfinite(want_lse)
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], rtol=0, atol=1e-4)
+    assert _rel(out, want) <= oracle.tolerance("bfloat16", case="cpu_bfloat16")
+    # Scores are exact products summed in float32: lse is float32-accurate.
+    assert _lse_err(lse, want_lse) <= oracle.lse_tolerance("bfloat16", "cpu")
     if case == "plain" and b > 1:  # a NaN key in row 1's range reaches kv head 0's rows only
         k[1, 0, 3] = np.nan
         out, _ = jax.jit(lambda *a: call(*a, **attrs))(*(bf(layout(x)) for x in (q, k, v)),

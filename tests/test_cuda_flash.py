@@ -6,10 +6,10 @@ tests/sdpa_testing.py: fp32 at JAX's default matmul precision (TF32) and at "hig
 (3xTF32; the fp32_precision attribute), forward and jax.grad; bf16/fp16 at head dims 512
 and 320 (beyond cuDNN) with causal + GQA + sinks + lengths; the jax.nn layout
 ([B, T, N, H], seq_major) through dot_product_attention; outputs NaN-poisoned by the
-handler first (JAX_SDPA_POISON_OUTPUTS=1, set by conftest). Tolerances: max abs error /
-max(1, max |oracle|): TF32 2e-3; highest 1e-5 forward and gradients (the fp32 bar; the
-shared suite allows other implementations 2e-5 for gradients); fp16/bf16 no worse
-than 2x XLA's error in the same dtype plus a floor.
+handler first (JAX_SDPA_POISON_OUTPUTS=1, set by conftest). Tolerances: jax_sdpa.oracle's
+policy: TF32 2e-3; highest 1e-5 forward and gradients (its named case "cuda_3xtf32": the
+general fp32 bar allows gradients 2e-5); fp16/bf16 no worse than 2x XLA's error in the same
+dtype plus a floor.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 
 import jax_sdpa
+from jax_sdpa import oracle
 from sdpa_testing import (FP32_RTOL, TF32_GRAD_RTOL, TF32_RTOL, Case,
                           assert_close, cast_inputs, oracle_forward,
                           oracle_grads, oracle_inputs_f64, random_inputs)
 
 pytestmark = pytest.mark.gpu
 
-# Our 3xTF32 kernels' gradients under "highest": within 1e-5 of float64 like the outputs
-# (their products are summed per step and added with fp32 adds: cuda/common/mma_helpers.cuh).
-FP32_GRAD_RTOL = FP32_RTOL
+# Our 3xTF32 kernels' gradients under "highest": the policy's named case for them.
+FP32_GRAD_RTOL = oracle.tolerance("float32", grad=True, case="cuda_3xtf32")
 
 
 @pytest.fixture(autouse=True)
@@ -216,21 +216,12 @@ def test_seq_major_through_dot_product_attention(dtype, rng):
         xla_grads = [None] * 3 if dtype == "float32" else grads("xla", *args)
     assert out.shape == (b, t, n, h) and out.dtype == dt
     assert_close(out, want, dtype, xla_same_dtype=xla_out)
-    # float64 gradients of the same call: autodiff of jax.nn's own xla path in x64
-    with jax.enable_x64(True), _precision("highest"):
-        f64 = [jnp.asarray(jnp.asarray(x, dt).astype(jnp.float32), jnp.float64)
-               for x in (q, kk, v)]
-
-        def nn_loss(*a):
-            o = jax.nn.dot_product_attention(
-                *a, is_causal=True, local_window_size=window,
-                key_value_seq_lengths=jnp.asarray(kvl), implementation="xla")
-            return jnp.sum(o * jnp.asarray(ct, jnp.float64))
-
-        want_grads = jax.grad(nn_loss, argnums=(0, 1, 2))(*f64)
-    for name, g, w, x in zip(("dq", "dk", "dv"), got, want_grads, xla_grads):
-        assert_close(g, np.asarray(w), dtype, rtol_fp32=FP32_GRAD_RTOL, xla_same_dtype=x,
-                     what=name)
+    want_grads = oracle.backward(bhld(q), bhld(kk), bhld(v), np.swapaxes(ct, 1, 2),
+                                 kv_lengths=kvl, window_left=window[0],
+                                 window_right=window[1])
+    for name, g, x in zip(("dq", "dk", "dv"), got, xla_grads):
+        assert_close(g, np.swapaxes(want_grads[name], 1, 2), dtype, rtol_fp32=FP32_GRAD_RTOL,
+                     xla_same_dtype=x, what=name)
 
 
 def test_poisoned_outputs_are_all_written(rng):

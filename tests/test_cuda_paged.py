@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cuda_oracle import as_f64, assert_matches, oracle
+from cuda_oracle import as_f64, assert_matches, oracle, tol
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-TOL = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 6e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +87,7 @@ def _case(rng, *, dtype, layout, page_size, lq, d, hq=8, hk=2, b=3, pps=6, causa
             logits_soft_cap=cap if cap else None, kv_layout=layout, implementation="cuda")
 
     out = jax.jit(run)(qj, kpj, vpj, jnp.asarray(table), jnp.asarray(kvl))
-    assert_matches(out, want[0], TOL[dtype], "paged out")
+    assert_matches(out, want[0], tol(dtype), "paged out")
 
 
 @pytest.mark.parametrize("layout", ["PHSD", "PSHD"])

@@ -272,10 +272,11 @@ def _check(arrays, f64, got, causal, bottom_right, what):
         arr = np.asarray(x.astype(jnp.float32))
         assert np.isfinite(arr).all(), f"{what}: {name} is not finite"
         err = oracle.max_rel_error(arr, w)
-        bound = oracle.tolerance(dtype, xla_error=xla_err if name == "out" else None) * (
-            1 if name == "out" else 2)
+        bound = (oracle.tolerance(dtype, xla_error=xla_err) if name == "out" else
+                 oracle.tolerance(dtype, grad=True, case="flash_attn3"))
         assert err <= bound, f"{what}: {name} error {err:.3g} > {bound:.3g}"
-    assert np.allclose(np.asarray(lse), want_lse, atol=2e-2), f"{what}: lse"
+    err = oracle.lse_error(lse, want_lse)
+    assert err <= oracle.lse_tolerance(dtype, case="flash_attn3"), f"{what}: lse error {err:.3g}"
 
 
 SHAPES = [  # (B, Lq, Lk, Hq, Hk, causal, bottom_right); flash_mha's NaN shapes first
@@ -331,14 +332,16 @@ def test_public_api_grad_vmap_and_none():
     want = oracle.backward(f64["q"], f64["k"], f64["v"], f64["do"], scale=1 / np.sqrt(128),
                            window_right=0, seq_major=True)
     for name, g in zip(("dq", "dk", "dv"), got):
-        assert oracle.max_rel_error(g, want[name]) <= 2 * oracle.tolerance("bfloat16"), name
+        assert oracle.max_rel_error(g, want[name]) <= oracle.tolerance(
+            "bfloat16", grad=True, case="flash_attn3"), name
     # vmap over a leading axis folds into the batch
     many = jnp.stack([q, q[::-1]])
     out = jax.vmap(lambda q: jax_sdpa.dot_product_attention(q, k, v, is_causal=True,
                                                             implementation="flash_attn3"))(many)
     one = jax_sdpa.dot_product_attention(q[::-1], k, v, is_causal=True,
                                          implementation="flash_attn3")
-    assert oracle.max_rel_error(out[1], np.asarray(one.astype(jnp.float32))) <= 1e-2
+    assert oracle.max_rel_error(out[1], np.asarray(one.astype(jnp.float32))) <= oracle.tolerance(
+        "bfloat16", case="same_library")
 
 
 def _packed_ids(rng, b, length, case):

@@ -1,4 +1,4 @@
-"""Forward mode and higher orders (DESIGN §1.2c) for every implementation available here,
+"""Forward mode and higher orders for every implementation available here,
 against jax.nn.dot_product_attention(implementation='xla') differentiated by JAX itself:
 jax.jvp, jax.jacfwd, jax.linearize, grad of grad, jax.hessian, jvp of grad, vmap of jvp,
 with bias, sinks (as jax.nn sees them: one more key of logit `sink` and value 0), GQA and

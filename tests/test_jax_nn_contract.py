@@ -1,5 +1,5 @@
 """`jax_sdpa.dot_product_attention` against `jax.nn.dot_product_attention(implementation='xla')`
-(DESIGN §1.2): same arguments, same results, fully masked rows and residuals included."""
+(the jax.nn drop-in): same arguments, same results, fully masked rows and residuals included."""
 
 import dataclasses
 from typing import Optional

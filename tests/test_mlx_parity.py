@@ -1,5 +1,5 @@
 """`jax_sdpa.scaled_dot_product_attention` against MLX's `mx.fast.scaled_dot_product_attention`
-on the CPU (DESIGN §1.1): same arguments, same results, on random small configurations.
+on the CPU (the MLX drop-in): same arguments, same results, on random small configurations.
 
 MLX's fully masked rows differ by code path (mean of V, NaN or 0; we define 0), so the
 cases here keep at least one visible key per row.

@@ -1,4 +1,4 @@
-"""Numerics users rely on (DESIGN §1.2c), for every implementation available here:
+"""Numerics users rely on, for every implementation available here:
 
 - NaN: a row whose visible scores include a NaN is NaN (as jax.nn's xla gives) and so is
   its dq; rows that cannot see it (causal, bool mask, window) stay finite and exact;

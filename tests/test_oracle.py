@@ -119,6 +119,55 @@ def test_one_tolerance_policy(dtype, impl, grad, tf32, want):
     assert oracle.tolerance(dtype, impl, grad=grad, xla_error=xla, tf32=tf32) == pytest.approx(want)
 
 
+def test_named_cases_and_the_lse_rule():
+    """Bounds that differ from the rule are named cases of the policy; the lse has its own
+    rule (an absolute error)."""
+    assert oracle.tolerance("float32", "cuda", grad=True, case="cuda_3xtf32") == oracle.FP32_RTOL
+    assert oracle.tolerance("float32", "cuda", grad=True) == oracle.FP32_GRAD_RTOL
+    for name, case in oracle.NAMED_CASES.items():
+        for dtype, bounds in case.items():
+            assert len(bounds) == 3, name
+            for which, bound in enumerate(bounds):
+                if bound is None:
+                    continue
+                assert bound > 0, (name, dtype)
+                if which < 2:
+                    assert oracle.tolerance(dtype, grad=which == 1, case=name) == bound
+                else:
+                    assert oracle.lse_tolerance(dtype, case=name) == bound
+    with pytest.raises(ValueError, match="no such bound"):
+        oracle.tolerance("float32", case="same_library")
+    assert oracle.lse_tolerance("bfloat16", "cpu") == oracle.LSE_ATOL
+    assert oracle.lse_tolerance("float32", "cuda", tf32=True) == oracle.TF32_LSE_ATOL
+    assert oracle.lse_tolerance("bfloat16", "cudnn", tf32=True) == oracle.GPU_LSE_ATOL
+    assert oracle.lse_tolerance("float32", "metal") == oracle.LSE_ATOL
+    want = np.array([1.0, -np.inf, np.nan, 3.0])
+    assert oracle.lse_error(want + np.array([2**-20, 0, 0, -2**-18]), want) == 2**-18
+    assert oracle.lse_error(np.array([1.0, 0.0, np.nan, 3.0]), want) == np.inf
+    assert oracle.lse_error(np.array([1.0, -np.inf, 0.0, 3.0]), want) == np.inf
+    big = np.array([10.0, 20.0])
+    assert oracle.max_rel_error(big * 0 + 0.5, big * 0 + 0.25, floor=oracle.OWN_MAGNITUDE) == 1.0
+    assert oracle.max_rel_error(np.array([0.5]), np.array([0.25])) == 0.25
+
+
+def test_matmul_paths_agree(rng):
+    """The oracle's products: BLAS over finite rows and columns, einsum where a NaN or inf
+    must reach exactly its own elements."""
+    a, b = rng.standard_normal((2, 3, 5, 7)), rng.standard_normal((2, 3, 7, 4))
+    want = np.einsum("...ij,...jk->...ik", a, b)
+    np.testing.assert_allclose(oracle._matmul(a, b), want, rtol=0, atol=1e-12)
+    a[1, 2, 3, 0] = np.nan
+    b[0, 1, 0, 2] = np.inf
+    b[0, 1, 1, 2] = 0.0
+    got = oracle._matmul(a, b)
+    with np.errstate(invalid="ignore"):
+        want = np.einsum("...ij,...jk->...ik", a, b)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=1e-12)
+
+
 def test_one_plan_per_lowering():
     """dispatch.plan decides implementation, target, workspace and reason together."""
     import jax

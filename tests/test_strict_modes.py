@@ -1,4 +1,4 @@
-"""Strict JAX modes (DESIGN §1.2c): `jax.numpy_rank_promotion("raise")` (jax's own test base
+"""Strict JAX modes: `jax.numpy_rank_promotion("raise")` (jax's own test base
 sets it), `jax_numpy_dtype_promotion="strict"`, `jax.debug_nans(True)` and
 `jax.debug_infs(True)` run every entry point clean, eager and under jit, forward, reverse
 and forward mode, for every implementation here, with the same results as without them.

@@ -5,7 +5,7 @@ with --peers, jax.nn's cudnn and xla implementations of the same call:
     ncu --clock-control none -k regex:'decode_|flash|sdpa|gemm|fusion' \
         --section SpeedOfLight --section LaunchStats --section Occupancy \
         --section MemoryWorkloadAnalysis --section WarpStateStats \
-        python3 -P benchmarks/decode_ncu.py --rows 0 --peers cudnn
+        python3 -P benchmarks/profiling/decode_ncu.py --rows 0 --peers cudnn
 
 Each call runs twice (compile + one more): profile the second (--launch-skip).
 """
@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--rows", default="0,2,3")
     ap.add_argument("--peers", default="", help="comma list of jax.nn implementations: cudnn,xla")
     args = ap.parse_args()
-    gd.register(use_module=True)
+    gd.register()
     for i in args.rows.split(","):
         # "h0", "h1": gd.HOST_ROWS (tiny calls: the kernels' fixed costs)
         row = gd.HOST_ROWS[int(i[1:])] if i.startswith("h") else gd.BENCH_ROWS[int(i)]

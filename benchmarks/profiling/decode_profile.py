@@ -5,7 +5,7 @@ and the span from the first kernel's start to the last one's end. busy << span m
 the GPU waits for the host between calls (per-call host work or a synchronization);
 span ~ busy means the kernels themselves are the cost.
 
-    python3 -P benchmarks/decode_profile.py [--rows 0,1] [--out DIR]
+    python3 -P benchmarks/profiling/decode_profile.py [--rows 0,1] [--out DIR]
 
 Knob settings (JAX_SDPA_CUDA_DECODE_*) are applied per variant; the FFI target is the
 installed jax_sdpa._sdpa_cuda module's.
@@ -110,7 +110,7 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--host", action="store_true", help="also gpu_decode.HOST_ROWS (host cost a call)")
     args = ap.parse_args()
-    gd.register(use_module=True)
+    gd.register()
     picked = range(len(ROWS)) if not args.rows else [int(i) for i in args.rows.split(",")]
     results = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), jax=jax.__version__,
                    device=str(jax.devices()[0]), rows=[])

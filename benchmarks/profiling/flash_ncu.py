@@ -3,7 +3,7 @@ BENCH_ROWS) through our CUDA flash kernels, for Nsight Compute to profile:
 
     ncu --clock-control none -k regex:flash_bwd_wgmma -c 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats \
-        python3 -P benchmarks/flash_ncu.py --row D512
+        python3 -P benchmarks/profiling/flash_ncu.py --row D512
 
 The call runs twice (compile + one more).
 """
@@ -22,7 +22,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--row", default="D512", help="substring of a bench row name")
     args = ap.parse_args()
-    fc.register()
+    fc.registered()
     name, dts, B, H, L, D, causal = next(r for r in fc.BENCH_ROWS if args.row in r[0])
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(1), 3)
     q, k, v = (jax.random.normal(x, (B, H, L, D), fc.DTYPES[dts]) for x in (kq, kk, kv))

@@ -4,8 +4,8 @@ for each profiled kernel, the SASS instructions where the warps were sampled mos
 where the time goes (a mbarrier wait = data not there yet, a global load's first use =
 its latency, a barrier = the slowest warp).
 
-    python3 benchmarks/ncu_source_top.py decode_ncu_source.csv [--top 30]
-    python3 benchmarks/ncu_source_top.py decode_ncu_source.csv --lines   # CUDA view
+    python3 benchmarks/profiling/ncu_source_top.py decode_ncu_source.csv [--top 30]
+    python3 benchmarks/profiling/ncu_source_top.py decode_ncu_source.csv --lines   # CUDA view
 
 --lines reads the CUDA-line view (a LINEINFO=1 build, NCU_SOURCE_VIEW="cuda,sass"): the
 samples of each source line (file:line, summed over the profiled launches) with its top

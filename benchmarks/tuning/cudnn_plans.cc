@@ -1,10 +1,10 @@
 // Every execution plan cuDNN offers for one SDPA graph, each timed on its own: whether the
 // heuristic's first choice (what jax_sdpa's cuDNN path runs) is the fastest, and what the
-// forward's softmax stats cost. A tuning tool, not part of the package.
+// forward's softmax stats cost. A tuning tool, not part of the package: a tuning build
+// (-DJAX_SDPA_TUNING=ON, cuda/CMakeLists.txt) builds it as build/<wheel tag>/cuda/cudnn_plans,
+// and `bash benchmarks/tuning/run.sh cudnn_plans` runs it on the D128 training rows.
 //
-//   g++ -std=c++17 -O2 cudnn_plans.cc -I<cudnn-frontend include> -I<cudnn include>
-//       -I<cuda include> -L<cudnn lib> -lcudnn -L<cuda lib64> -lcudart -ldl -o cudnn_plans
-//   ./cudnn_plans B H L D causal(0|1) [reps]       -> one JSON line per (direction, stats, plan)
+//   cudnn_plans B H L D causal(0|1) [reps]       -> one JSON line per (direction, stats, plan)
 //
 // Layout [B, L, H, D] (the jax.nn entry's), bf16, scale 1/sqrt(D), causal top-left.
 #include <cuda_bf16.h>

@@ -2,10 +2,12 @@
 side by side on the GPU, one process: JAX_SDPA_FLASH_FWD_CFG is read by the launcher on
 every call, so one compiled executable serves every configuration.
 
-    python3 -P benchmarks/flash_fwd_sweep.py [--out DIR]
+    python3 -P benchmarks/tuning/flash_fwd_sweep.py [--out DIR]
 
-Each configuration's output is compared with the default's (flagged DIFFERS above 1e-3
-relative, never chosen). Prints one JSON line per (row, config) and a best line per row.
+Needs a tuning build (-DJAX_SDPA_TUNING=ON). Each configuration's output is compared with
+the default's under the tolerance policy's "kernel_variant" case (jax_sdpa/oracle.py;
+flagged DIFFERS beyond it, never chosen). Prints one JSON line per (row, config) and a best
+line per row.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import numpy as np  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+from jax_sdpa import oracle  # noqa: E402
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("gpu_flash_check",
@@ -41,7 +45,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
-    gfc.register()
+    gfc.registered()
+    bound = oracle.tolerance("float32", case="kernel_variant")
     results = []
     for name, B, H, L, D, causal, cfgs in ROWS:
         ks = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -66,8 +71,8 @@ def main():
                 continue
             if ref is None:
                 ref = o
-            diff = float(np.abs(o - ref).max()) / max(1.0, float(np.abs(ref).max()))
-            differs = bool(diff > 1e-3 or not np.isfinite(o).all())
+            diff = oracle.max_rel_error(o, ref, floor=oracle.OWN_MAGNITUDE)
+            differs = bool(diff > bound or not np.isfinite(o).all())
             r = dict(row=name, cfg=cfg or "default", ms=t * 1e3, tflops=flops / t / 1e12,
                      max_rel_diff_vs_default=diff, differs=differs)
             print(json.dumps(r), flush=True)

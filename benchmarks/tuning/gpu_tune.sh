@@ -15,7 +15,7 @@ rc=0
 say "forward configurations"
 (cd /tmp && timeout 120 python3 -P $repo/benchmarks/tuning/flash_fwd_sweep.py --out "$OUT" 2>&1 | tee "$OUT/fwd_sweep.log") || rc=1
 say "backward variants"
-(cd /tmp && timeout 90 python3 -P $repo/benchmarks/gpu_flash_check.py --only bwd_sweep --out "$OUT/bwd" 2>&1 | tee "$OUT/bwd_sweep.log" | grep -v '^{"row"' ) || rc=1
+(cd /tmp && timeout 90 python3 -P $repo/benchmarks/tuning/flash_bwd_sweep.py --out "$OUT/bwd" 2>&1 | tee "$OUT/bwd_sweep.log" | grep -v '^{"row"' ) || rc=1
 fwd_best=$(grep "^fwd sweep best" "$OUT/fwd_sweep.log" | sed "s/.*: \([^ ]*\) [0-9.]* TFLOP.*/\1/" | grep -v default | paste -sd, -)
 bwd_best=$(python3 - "$OUT/bwd_sweep.log" <<'PY'
 import json, sys
@@ -35,6 +35,6 @@ say "winners: forward '${fwd_best}' backward '${bwd_best}': full check with them
    python3 -P $repo/benchmarks/gpu_flash_check.py --only check --out "$OUT/tuned" 2>&1 | grep -v "^ok " | tail -20) || rc=1
 echo "$fwd_best" > "$OUT/fwd_best.txt"; echo "$bwd_best" > "$OUT/bwd_best.txt"
 say "decode settings"
-(cd /tmp && timeout 80 python3 -P $repo/benchmarks/gpu_decode.py --only sweep --out "$OUT" 2>&1 | grep -E "best|DIFFERS|error|Error" | tail -20) || rc=1
+(cd /tmp && timeout 80 python3 -P $repo/benchmarks/tuning/decode_sweep.py --out "$OUT" 2>&1 | grep -E "best|DIFFERS|error|Error" | tail -20) || rc=1
 say "tune done rc=$rc"
 exit $rc
