@@ -142,7 +142,7 @@ ROWS = {
         "oracle's soft-cap cases (tests/test_segments_softcap.py "
         "test_cudnn_soft_cap_against_oracle) pass on the H200 with cuDNN 9.19; below it "
         "the other implementations serve soft-capping (CUDA_FLASH_FOR_FEATURES)",
-        "benchmarks/results/h200/tests_gpu_softcap.xml"),
+        "benchmarks/results/h200/pytest_gpu_softcap.xml"),
     "CUDA_FLASH_FP32_MAX_HEAD_DIM": Row(
         128,
         "fp32 prefill that cuDNN refuses: our flash kernels up to this head dim (SD3 B2 H38 "
