@@ -166,6 +166,8 @@ class _competing_load:
 
 
 def _rows(quick):
+    """Prefill L 1k-16k, causal and not, D 64 and 128, GQA, float32 and bfloat16, forward and
+    forward+backward; an SD3-like shape; decode Lk 1k-32k, B 1-8, GQA 4 and 8."""
     rows = []
 
     def add(name, **kw):
@@ -174,27 +176,35 @@ def _rows(quick):
         base["name"] = name
         rows.append(base)
 
-    prefill = [(1024, False), (4096, False), (4096, True)] if not quick else [(1024, False)]
-    for length, causal in prefill:
+    def both(name, **kw):  # forward and forward+backward
         for grad in (False, True):
-            add(f"prefill B1 H8 D64 L{length}{' causal' if causal else ''} "
-                f"{'fwd+bwd' if grad else 'fwd'}", lq=length, lk=length, causal=causal,
-                grad=grad, skip_xla=length > 4096)
-    if not quick:
-        for grad in (False, True):
-            add(f"prefill B1 H8/KV2 D128 L2048 GQA causal {'fwd+bwd' if grad else 'fwd'}",
-                hk=2, d=128, lq=2048, lk=2048, causal=True, grad=grad)
-            add(f"prefill B1 H8 D64 L2048 bf16 {'fwd+bwd' if grad else 'fwd'}", lq=2048,
-                lk=2048, dtype="bfloat16", grad=grad)
-        add("SD3-like B1 H24 D64 L4096 fwd", hq=24, hk=24, lq=4096, lk=4096)
-    decode = [(1024, 1), (4096, 1), (16384, 1), (32768, 1), (4096, 8)] if not quick else \
-        [(1024, 1), (4096, 1)]
-    for lk, b in decode:
+            add(f"{name} {'fwd+bwd' if grad else 'fwd'}", grad=grad, **kw)
+
+    if quick:
+        both("prefill B1 H8 D64 L1024", lq=1024, lk=1024)
+        for lk in (1024, 4096):
+            add(f"decode B1 H32/KV8 D128 Lk{lk}", hq=32, hk=8, d=128, lk=lk)
+        return rows
+    for length, causal in ((1024, False), (4096, False), (4096, True)):
+        both(f"prefill B1 H8 D64 L{length}{' causal' if causal else ''}", lq=length,
+             lk=length, causal=causal)
+    # jax.nn's xla materializes 8 GiB of scores a head group at L16384: ours and torch only
+    add("prefill B1 H8 D64 L16384 causal fwd", lq=16384, lk=16384, causal=True, skip_xla=True)
+    both("prefill B1 H8/KV2 D128 L2048 GQA causal", hk=2, d=128, lq=2048, lk=2048, causal=True)
+    add("prefill B1 H8/KV2 D128 L8192 GQA fwd", hk=2, d=128, lq=8192, lk=8192,
+        skip_xla=True)
+    both("prefill B1 H8 D64 L2048 bf16", lq=2048, lk=2048, dtype="bfloat16")
+    both("prefill B1 H8/KV2 D128 L4096 GQA causal bf16", hk=2, d=128, lq=4096, lk=4096,
+         causal=True, dtype="bfloat16")
+    add("SD3-like B1 H24 D64 L4096 fwd", hq=24, hk=24, lq=4096, lk=4096)
+    for lk, b in ((1024, 1), (4096, 1), (16384, 1), (32768, 1), (4096, 8)):
         add(f"decode B{b} H32/KV8 D128 Lk{lk}", b=b, hq=32, hk=8, d=128, lk=lk)
-    if not quick:
-        add("decode B1 H32/KV8 D128 Lk16384 bf16", hq=32, hk=8, d=128, lk=16384,
-            dtype="bfloat16")
-        add("decode B1 H8/KV2 D64 Lk1024", hq=8, hk=2, d=64, lk=1024)
+    add("decode B4 H32/KV4 D128 Lk8192 GQA8", b=4, hq=32, hk=4, d=128, lk=8192)
+    add("decode B1 H32/KV8 D128 Lk16384 bf16", hq=32, hk=8, d=128, lk=16384,
+        dtype="bfloat16")
+    add("decode B8 H32/KV8 D128 Lk4096 bf16", b=8, hq=32, hk=8, d=128, lk=4096,
+        dtype="bfloat16")
+    add("decode B1 H8/KV2 D64 Lk1024", hq=8, hk=2, d=64, lk=1024)
     return rows
 
 
