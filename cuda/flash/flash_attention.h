@@ -15,7 +15,7 @@ namespace jax_sdpa {
 namespace cuda_flash {
 
 // fp32 precision: kTf32 (JAX's default matmul precision) or kHighest (split-TF32,
-// ~fp32 accuracy), from the contract's fp32_precision attribute (ffi/cuda_flash_handler.cc).
+// ~fp32 accuracy), from the contract's fp32_precision attribute (cuda/flash/ffi_handler.cc).
 enum class Fp32Mode : int { kTf32 = 0, kHighest = 1 };
 
 // Empty when the flash kernels can serve `p`, else why not.

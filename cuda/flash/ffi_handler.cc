@@ -1,5 +1,5 @@
 // XLA FFI handlers `jax_sdpa_cuda_flash_fwd` / `_bwd`: our own CUDA flash-attention
-// prefill kernels (cuda/flash_attention*) behind the forward/backward contract of
+// prefill kernels (cuda/flash/flash_attention*) behind the forward/backward contract of
 // docs/ffi_contract.md. `implementation="cuda"` routes here for everything the decode
 // kernel (`jax_sdpa_cuda_fwd`) does not take (jax_sdpa/dispatch.py: cuda_kernel).
 //
