@@ -88,7 +88,7 @@ if has build; then
     say "full build failed; retrying with the cuDNN module alone"
     rm -rf /tmp/jax_sdpa_min && mkdir -p /tmp/jax_sdpa_min
     tar --exclude=./build --exclude=./.whl --exclude=./.git -cf - . | tar -xf - -C /tmp/jax_sdpa_min
-    rm -f /tmp/jax_sdpa_min/cpu/CMakeLists.txt /tmp/jax_sdpa_min/metal_shaders/CMakeLists.txt
+    rm -f /tmp/jax_sdpa_min/cpu/CMakeLists.txt /tmp/jax_sdpa_min/metal/CMakeLists.txt
     sed -i '/decode/d' /tmp/jax_sdpa_min/cuda/CMakeLists.txt
     (cd /tmp/jax_sdpa_min && python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -40) || rc=1
   fi

@@ -115,7 +115,7 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
 
 
 def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
-    """Metal kernels (metal_shaders/): on macOS the GPU, on Linux the CPU emulator of the same
+    """Metal kernels (metal/): on macOS the GPU, on Linux the CPU emulator of the same
     kernels (tests only). Head dims: any multiple of 8 up to 512 (instantiated for buckets
     64/128/256/512 of max(D, Dv)); every mask form, sinks, lengths, windows, GQA."""
     if (r := _platform_check("metal", platform)) is not None:

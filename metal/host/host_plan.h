@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "ffi/sdpa_params.h"
-#include "metal_shaders/sdpa_shared.h"
+#include "metal/kernels/sdpa_shared.h"
 
 namespace jax_sdpa {
 namespace metal {
@@ -48,7 +48,7 @@ class Runner {
   // Executes the launches in order and waits for them; "" on success, else the error.
   virtual std::string run(const Plan& plan) = 0;
 };
-Runner* runner();  // defined by host_emulator_runner.cc or host_macos.mm; null if unavailable
+Runner* runner();  // defined by runner_emulator.cc or host_macos.mm; null if unavailable
 std::string runner_error();  // why runner() is null
 
 inline const char* dtype_tag(DType t) {
