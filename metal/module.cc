@@ -1,10 +1,12 @@
 // nanobind module _sdpa_metal: the Metal FFI handlers (metal/ffi_handler.cc) for
-// jax_sdpa/_ext.py, and what the platform runner says about itself.
+// jax_sdpa/_ext.py, what the platform runner says about itself, and the shapes the kernels
+// refuse (jax_sdpa/dispatch.py asks it, never re-derives it).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
 #include <string>
 
+#include "ffi/module_facts.h"
 #include "ffi/module_registrations.h"
 #include "metal/host/host_plan.h"
 
@@ -33,4 +35,6 @@ NB_MODULE(_sdpa_metal, m) {
 #endif
       },
       "True when the kernels run on the CPU emulator.");
+  jax_sdpa::def_shape_fact(m, "unsupported_reason", &jax_sdpa::metal::unsupported_reason,
+                           "Why the Metal kernels can't serve these shapes ('' when they can).");
 }
