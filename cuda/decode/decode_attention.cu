@@ -17,7 +17,7 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <unistd.h>        // environ
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/decode/decode_attention.h"
 #include "cuda/decode/decode_kernels.h"
 
@@ -43,7 +43,7 @@ KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block,
   return KernelInfo{};
 }
 
-// The sweep knobs (JAX_SDPA_CUDA_DECODE_*, tuning builds only: cuda/common/tuning_knobs.h),
+// The sweep knobs (JAX_SDPA_CUDA_DECODE_*, tuning builds only: ffi/tuning_knobs.h),
 // read per plan so that one process can time several settings.
 int env_int(const char* name, int fallback) {
   const char* v = tuning_knob(name);

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "ffi/registry.h"
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_attention.h"
 #include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_args.h"

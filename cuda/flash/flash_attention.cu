@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_attention.h"
 #include "cuda/flash/flash_bwd_wide.h"
 #include "cuda/flash/flash_launch_checks.h"
