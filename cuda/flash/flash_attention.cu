@@ -28,8 +28,7 @@ std::string unsupported_reason(const SdpaParams& p) {
 
 bool wgmma_serves(bool backward, const SdpaParams& p, int cc_major, int cc_minor) {
   return (p.dtype == DType::kF16 || p.dtype == DType::kBF16) && wgmma_head_dims(p) &&
-         cc_major == 9 && cc_minor == 0 &&
-         knob_not_off(backward ? kWgmmaBackwardKnob : kWgmmaForwardKnob);
+         cc_major == 9 && cc_minor == 0 && wgmma_enabled(backward);
 }
 
 bool fast_kernels_enabled() {
