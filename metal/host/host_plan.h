@@ -1,4 +1,4 @@
-// Host side shared by the macOS Metal runner and the Linux emulator: turns the decoded call
+// Host side shared by the macOS Metal runner and the Linux emulator: turns the unpacked call
 // (jax_sdpa::SdpaParams) into the kernel parameter struct and a list of kernel launches over
 // named buffers. Which kernel runs (decode vs tiled, number of key splits) is decided here,
 // once, for both platforms. No XLA, no Metal, no emulator types.
