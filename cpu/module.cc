@@ -1,4 +1,4 @@
-// nanobind module _sdpa_cpu: the CPU FFI handlers (ffi/cpu_handler.cc) for jax_sdpa/_ext.py.
+// nanobind module _sdpa_cpu: the CPU FFI handlers (cpu/ffi_handler.cc) for jax_sdpa/_ext.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 

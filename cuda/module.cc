@@ -5,54 +5,19 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <stdexcept>
 #include <string>
 
 #include "cuda/cudnn/cudnn_sdpa.h"
 #include "cuda/decode/decode_attention.h"
 #include "cuda/flash/flash_attention.h"
+#include "ffi/module_facts.h"
 #include "ffi/module_registrations.h"
 #include "ffi/sdpa_params.h"
 
 namespace nb = nanobind;
 
-namespace {
-
-jax_sdpa::DType dtype_from(const std::string& name) {
-  if (name == "float32") return jax_sdpa::DType::kF32;
-  if (name == "float16") return jax_sdpa::DType::kF16;
-  if (name == "bfloat16") return jax_sdpa::DType::kBF16;
-  throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got " + name);
-}
-
-// The shapes of a call as the kernels see them ([B, H, L, D], dense); no buffers.
-jax_sdpa::SdpaParams shape(const std::string& dtype, int64_t batch, int64_t heads_q,
-                           int64_t heads_kv, int64_t len_q, int64_t len_kv, int64_t head_dim,
-                           int64_t head_dim_v) {
-  jax_sdpa::SdpaParams p;
-  p.dtype = dtype_from(dtype);
-  p.batch = batch;
-  p.heads_q = heads_q;
-  p.heads_kv = heads_kv;
-  p.len_q = len_q;
-  p.len_kv = len_kv;
-  p.head_dim = head_dim;
-  p.head_dim_v = head_dim_v;
-  return p;
-}
-
-// m.name(dtype, batch, heads_q, heads_kv, len_q, len_kv, head_dim, head_dim_v) = fact(shape).
-template <typename Fact>
-void def_shape_fact(nb::module_& m, const char* name, Fact fact, const char* doc) {
-  m.def(
-      name,
-      [fact](const std::string& dtype, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk,
-             int64_t d, int64_t dv) { return fact(shape(dtype, b, hq, hk, lq, lk, d, dv)); },
-      nb::arg("dtype"), nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
-      nb::arg("len_q"), nb::arg("len_kv"), nb::arg("head_dim"), nb::arg("head_dim_v"), doc);
-}
-
-}  // namespace
+using jax_sdpa::def_shape_fact;
+using jax_sdpa::shape_params;
 
 NB_MODULE(_sdpa_cuda, m) {
   namespace decode = jax_sdpa::cuda_decode;
@@ -65,7 +30,7 @@ NB_MODULE(_sdpa_cuda, m) {
   m.def(
       "decode_workspace_bytes",
       [](int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk, int64_t dv) {
-        return decode::workspace_bytes(shape("float32", b, hq, hk, lq, lk, dv, dv));
+        return decode::workspace_bytes(shape_params("float32", b, hq, hk, lq, lk, dv, dv));
       },
       nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("len_q"),
       nb::arg("len_kv"), nb::arg("head_dim_v"),
@@ -83,7 +48,7 @@ NB_MODULE(_sdpa_cuda, m) {
       "flash_wgmma_serves",
       [](bool backward, const std::string& dtype, int64_t d, int64_t dv, int cc_major,
          int cc_minor) {
-        return flash::wgmma_serves(backward, shape(dtype, 1, 1, 1, 1, 1, d, dv), cc_major,
+        return flash::wgmma_serves(backward, shape_params(dtype, 1, 1, 1, 1, 1, d, dv), cc_major,
                                    cc_minor);
       },
       nb::arg("backward"), nb::arg("dtype"), nb::arg("head_dim"), nb::arg("head_dim_v"),
@@ -94,7 +59,7 @@ NB_MODULE(_sdpa_cuda, m) {
       "cudnn_bottom_right_aligned",
       [](int64_t lq, int64_t lk, int64_t window_left, int64_t window_right, bool bottom_right,
          bool has_lengths) {
-        jax_sdpa::SdpaParams p = shape("float16", 1, 1, 1, lq, lk, 8, 8);
+        jax_sdpa::SdpaParams p = shape_params("float16", 1, 1, 1, lq, lk, 8, 8);
         p.window_left = window_left;
         p.window_right = window_right;
         p.bottom_right = bottom_right;

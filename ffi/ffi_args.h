@@ -45,7 +45,7 @@ enum : int64_t { kFp32PrecisionDefault = 0, kFp32PrecisionHighest = 1 };
 
 }  // namespace jax_sdpa
 
-// The custom call's attribute dictionary decoded into SdpaAttrs by name (all of them, no
+// The custom call's attribute dictionary unpacked into SdpaAttrs by name (all of them, no
 // others): the handlers take one SdpaAttrs instead of thirteen parameters.
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::SdpaAttrs,
                                       xla::ffi::StructMember<double>("scale"),
@@ -266,7 +266,7 @@ struct OptionalOperands {
   const ffi::AnyBuffer& kv_segment_ids;
 };
 
-// Decodes q, k, v, the optional operands and the attributes of a (non-paged) call.
+// Unpacks q, k, v, the optional operands and the attributes of a (non-paged) call.
 // Checks ranks, consistency, dtypes, broadcastability and sizes; never reads
 // buffer contents (lengths are clamped by the kernels via clamp_length).
 inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,

@@ -1,6 +1,6 @@
 // The one plain description of an attention call that every backend consumes.
 //
-// FFI handlers (ffi/*.cc) decode XLA buffers + attributes into these structs
+// FFI handlers (each backend's ffi_handler.cc) unpack XLA buffers + attributes into these structs
 // (see ffi/ffi_args.h); kernels (cpu/, cuda/, the Metal host glue) never see
 // XLA types. Semantics are written down in docs/ffi_contract.md; the helpers at
 // the bottom are the executable form of the masking rules, shared by every

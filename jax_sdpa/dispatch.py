@@ -118,25 +118,21 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
 
 
 def supports_metal(cfg: Config, direction: str, platform: str) -> Verdict:
-    """Metal kernels (metal_shaders/): on macOS the GPU, on Linux the CPU emulator of the same
-    kernels (tests only). Head dims: any multiple of 8 up to 512 (instantiated for buckets
-    64/128/256/512 of max(D, Dv)); every mask form, sinks, lengths, windows, GQA."""
+    """Metal kernels (metal/): on macOS the GPU, on Linux the CPU emulator of the same
+    kernels (tests only). The shapes they refuse (head dims, lengths) come from the
+    `_sdpa_metal` module (metal/host/host_plan.h: unsupported_reason); every mask form,
+    sinks, lengths, windows, GQA."""
     if (r := _platform_check("metal", platform)) is not None:
         return r
-    if not _ext.has_backend("metal"):
-        return _no(f"the Metal backend: {_backend_missing('metal')}")
     mod = _ext.module("_sdpa_metal")
-    if mod is not None and hasattr(mod, "available") and not mod.available():
+    if not _ext.has_backend("metal") or mod is None:
+        return _no(f"the Metal backend: {_backend_missing('metal')}")
+    if not mod.available():
         return _no(f"no Metal device: {mod.describe()}")
     if (r := _common_fused_checks(cfg)) is not None:
         return r
-    d, dv = cfg.head_dim, cfg.head_dim_v
-    if max(d, dv) > 512:
-        return _no(f"head dim {max(d, dv)} > 512")
-    if d % 8 or dv % 8:
-        return _no(f"head dims must be multiples of 8 for the Metal kernels (D={d}, Dv={dv})")
-    if max(cfg.len_q, cfg.len_kv) >= 1 << 30:
-        return _no("sequence length >= 2**30")
+    if why := mod.unsupported_reason(*_shape_args(cfg)):
+        return _no(f"the Metal kernels: {why}")
     if (r := _unserved_features(cfg, f"jax_sdpa_metal_{direction}", "the Metal kernels")):
         return r
     if sys.platform != "darwin":

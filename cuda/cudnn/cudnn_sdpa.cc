@@ -44,7 +44,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/cudnn/cudnn_kernels.h"
 
 namespace jax_sdpa::cudnn {

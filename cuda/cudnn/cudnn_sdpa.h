@@ -1,5 +1,5 @@
 // cuDNN SDPA (cudnn-frontend graphs) for the jax_sdpa kernel contract
-// (docs/ffi_contract.md). No XLA types here: ffi/cudnn_handler.cc decodes the
+// (docs/ffi_contract.md). No XLA types here: cuda/cudnn/ffi_handler.cc unpacks the
 // call into SdpaParams + buffers and hands over a scratch allocator.
 #pragma once
 

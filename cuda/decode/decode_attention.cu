@@ -17,7 +17,7 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <unistd.h>        // environ
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/decode/decode_attention.h"
 #include "cuda/decode/decode_kernels.h"
 
@@ -43,7 +43,7 @@ KernelInfo select_kernel(DType dtype, int64_t d, int64_t dv, int rows_per_block,
   return KernelInfo{};
 }
 
-// The sweep knobs (JAX_SDPA_CUDA_DECODE_*, tuning builds only: cuda/common/tuning_knobs.h),
+// The sweep knobs (JAX_SDPA_CUDA_DECODE_*, tuning builds only: ffi/tuning_knobs.h),
 // read per plan so that one process can time several settings.
 int env_int(const char* name, int fallback) {
   const char* v = tuning_knob(name);
@@ -301,10 +301,12 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
   return false;
 }
 
-// Query rows a block takes: 16 (tensor cores, Dv <= 256) when the group has more than 8.
+// Query rows a block takes: 16 (tensor cores, Dv <= 256) when the group has more than
+// tuning::kSixteenRowsAbove, else 8.
 int rows_per_block(const SdpaParams& p) {
   const int64_t R = p.group() * p.len_q;
-  return (p.dtype != DType::kF32 && p.head_dim_v <= 256 && R > 8) ? 16 : 8;
+  const bool tensor_cores = p.dtype != DType::kF32 && p.head_dim_v <= 256;
+  return (tensor_cores && R > tuning::kSixteenRowsAbove) ? 16 : 8;
 }
 
 // fp32 D = Dv = 512 runs decode_wide_f32_kernel unless JAX_SDPA_CUDA_DECODE_WIDE=off.

@@ -7,7 +7,7 @@
 
 #include <type_traits>
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/decode/decode_attention.h"
 #include "cuda/decode/decode_combine.cuh"
 #include "cuda/decode/decode_simt.cuh"

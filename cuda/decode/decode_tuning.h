@@ -5,6 +5,8 @@
 // a sweep can pick instead are built with -DJAX_SDPA_TUNING=ON (decode_kernels.h).
 #pragma once
 
+#include <cstdint>
+
 namespace jax_sdpa {
 namespace cuda_decode {
 namespace tuning {
@@ -63,7 +65,16 @@ constexpr int kTmaL2Bytes = 128;
 constexpr Shape kWideF32[] = {{8, 3, 0}, {8, 2, 0}};
 
 // Least K + V bytes a split takes: enough to amortize a block's start and its partial.
+// 64 KiB against 32: B1 H32/KV4 Lk8192 D512 bf16 (decode_wide_kernel NW4 S4) 32.5 vs 32.6 us
+// a call, fp16 Lk1024 14.5 vs 14.8 (NW8 S4: 15.2 vs 15.1) (sweep_20261130T1359.json): no
+// gain from smaller splits; larger ones not measured.
 constexpr int kMinSplitKiB = 64;
+
+// Query rows (GQA group x queries) above which a 16-bit call with Dv <= 256 takes 16 rows a
+// block (one m16 tile of the tensor-core kernels) instead of 8: a group of more than 8 rows
+// then reads each K/V tile once. Not swept against two 8-row blocks (no results file); the
+// TMA kernel stays at 8 rows (kTma128Sparse above).
+constexpr int64_t kSixteenRowsAbove = 8;
 
 // The splits of a unit merge in a thread-block cluster (behind decode_tma_kernel) at up to
 // this many splits: at 2 it beat the combine kernel (B8 H32/KV8 Lk8192 D128 3823 vs 3736,

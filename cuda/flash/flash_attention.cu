@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_attention.h"
 #include "cuda/flash/flash_bwd_wide.h"
 #include "cuda/flash/flash_launch_checks.h"
@@ -28,8 +28,7 @@ std::string unsupported_reason(const SdpaParams& p) {
 
 bool wgmma_serves(bool backward, const SdpaParams& p, int cc_major, int cc_minor) {
   return (p.dtype == DType::kF16 || p.dtype == DType::kBF16) && wgmma_head_dims(p) &&
-         cc_major == 9 && cc_minor == 0 &&
-         knob_not_off(backward ? kWgmmaBackwardKnob : kWgmmaForwardKnob);
+         cc_major == 9 && cc_minor == 0 && wgmma_enabled(backward);
 }
 
 bool fast_kernels_enabled() {

@@ -15,7 +15,7 @@ namespace jax_sdpa {
 namespace cuda_flash {
 
 // fp32 precision: kTf32 (JAX's default matmul precision) or kHighest (split-TF32,
-// ~fp32 accuracy), from the contract's fp32_precision attribute (ffi/cuda_flash_handler.cc).
+// ~fp32 accuracy), from the contract's fp32_precision attribute (cuda/flash/ffi_handler.cc).
 enum class Fp32Mode : int { kTf32 = 0, kHighest = 1 };
 
 // Empty when the flash kernels can serve `p`, else why not.
@@ -24,7 +24,8 @@ std::string unsupported_reason(const SdpaParams& p);
 // Whether the wgmma kernel of this direction (fwd: flash_fwd_wgmma.cu, bwd: the main kernel of
 // the wide backward, flash_bwd_wgmma.cu) runs `p` on a GPU of compute capability
 // cc_major.cc_minor: fp16 / bf16, 256 < D, Dv <= 512, sm_90a code (9.0 only) and its knob
-// (JAX_SDPA_FLASH_WGMMA / _BWD, read at each call) not "0".
+// (JAX_SDPA_FLASH_WGMMA / _BWD, read at each call by wgmma_enabled, as the launchers do) not
+// "0".
 bool wgmma_serves(bool backward, const SdpaParams& p, int cc_major, int cc_minor);
 
 // Whether the tuned kernels (flash_fwd_tc, flash_bwd_tc, flash_fwd_wide, flash_bwd_wide) are

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_bwd_tc.cuh"
 #include "cuda/flash/flash_tuning.h"
 #include "cuda/flash/flash_launch_checks.h"

@@ -377,14 +377,9 @@ cudaError_t launch(const bwd_wide::Args& a, const SdpaParams& p, cudaStream_t st
 
 }  // namespace bwd_wgmma
 
-bool wgmma_backward_enabled() {
-  static const bool on = knob_not_off(kWgmmaBackwardKnob);
-  return on;
-}
-
 cudaError_t launch_backward_wgmma_main(const bwd_wide::Args& a, const SdpaParams& p,
                                        cudaStream_t stream) {
-  if (!wgmma_backward_enabled()) return cudaErrorNotSupported;
+  if (!wgmma_enabled(/*backward=*/true)) return cudaErrorNotSupported;
   static_assert(bwd_wgmma::kD == kWgmmaMaxHeadDim, "flash_launch_checks.h");
   if (!wgmma_head_dims(p)) return cudaErrorNotSupported;
   switch (p.dtype) {

@@ -16,12 +16,10 @@ namespace bwd_wide {
 struct Args;  // cuda/flash_bwd_wide.cuh
 }  // namespace bwd_wide
 
-// False when JAX_SDPA_FLASH_WGMMA_BWD=0 turns it off (read once per process).
-bool wgmma_backward_enabled();
-
 // Enqueues the dK / dV / dq_accum kernel for `a` (same inputs and outputs as
 // flash_bwd_wide_kernel: dq_accum zeroed and delta computed before it, dq converted after).
-// Returns cudaErrorNotSupported, enqueuing nothing, unless it is enabled, the dtype is
+// Returns cudaErrorNotSupported, enqueuing nothing, unless it is enabled
+// (JAX_SDPA_FLASH_WGMMA_BWD not "0": flash_launch_checks.h, wgmma_enabled), the dtype is
 // 16-bit, 256 < D, Dv <= 512 and the GPU has its sm_90a code (H100 / H200).
 cudaError_t launch_backward_wgmma_main(const bwd_wide::Args& a, const SdpaParams& p,
                                        cudaStream_t stream);

@@ -23,7 +23,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_attention.cuh"
 #include "cuda/flash/flash_tuning.h"
 

@@ -288,14 +288,9 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, cudaStream_t 
 
 }  // namespace wgmma
 
-bool wgmma_forward_enabled() {
-  static const bool on = knob_not_off(kWgmmaForwardKnob);
-  return on;
-}
-
 cudaError_t launch_forward_wgmma(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                  cudaStream_t stream) {
-  if (!wgmma_forward_enabled()) return cudaErrorNotSupported;
+  if (!wgmma_enabled(/*backward=*/false)) return cudaErrorNotSupported;
   switch (p.dtype) {
     case DType::kF16: return wgmma::launch<__half>(p, buf, stream);
     case DType::kBF16: return wgmma::launch<__nv_bfloat16>(p, buf, stream);

@@ -9,11 +9,9 @@
 namespace jax_sdpa {
 namespace cuda_flash {
 
-// False when JAX_SDPA_FLASH_WGMMA=0 turns it off (read once per process).
-bool wgmma_forward_enabled();
-
-// Runs it when enabled, the dtype is 16-bit and 256 < D, Dv <= 512 on a GPU with sm_90a
-// code (H100 / H200); cudaErrorNotSupported otherwise (the caller's kernels serve).
+// Runs it when enabled (JAX_SDPA_FLASH_WGMMA not "0": wgmma_enabled, flash_launch_checks.h),
+// the dtype is 16-bit and 256 < D, Dv <= 512 on a GPU with sm_90a code (H100 / H200);
+// cudaErrorNotSupported otherwise (the caller's kernels serve).
 cudaError_t launch_forward_wgmma(const SdpaParams& p, const SdpaFwdBuffers& buf,
                                  cudaStream_t stream);
 

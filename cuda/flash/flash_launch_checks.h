@@ -37,17 +37,18 @@ inline bool all_aligned16(std::initializer_list<const void*> buffers) {
   return true;
 }
 
-// Whether the kernel behind environment variable `knob` runs: on unless knob = "0" (the
-// launchers read it once per process).
-inline bool knob_not_off(const char* knob) {
-  const char* v = std::getenv(knob);
-  return v == nullptr || v[0] != '0';
-}
-
 // The wgmma kernels (flash_fwd_wgmma.cu, flash_bwd_wgmma.cu): their on / off knobs and the
 // head dims they take (both in (256, 512]; sm_90a code, so compute capability 9.0 only).
 constexpr const char* kWgmmaForwardKnob = "JAX_SDPA_FLASH_WGMMA";
 constexpr const char* kWgmmaBackwardKnob = "JAX_SDPA_FLASH_WGMMA_BWD";
+
+// Whether the wgmma kernel of this direction may run: yes unless its knob is "0". The one
+// reader of the knobs: dispatch (wgmma_serves) and the launchers ask it at each call, so both
+// always see the same setting.
+inline bool wgmma_enabled(bool backward) {
+  const char* v = std::getenv(backward ? kWgmmaBackwardKnob : kWgmmaForwardKnob);
+  return v == nullptr || v[0] != '0';
+}
 constexpr int64_t kWgmmaMaxHeadDim = 512;
 inline bool wgmma_head_dims(const SdpaParams& p) {
   return p.head_dim > 256 && p.head_dim_v > 256 && p.head_dim <= kWgmmaMaxHeadDim &&

@@ -1,6 +1,6 @@
 // Negative test for lint_kernels.py: compiles (and would run in the emulator, which binds by
 // position), but Metal binds by attribute: buffer indices skip 1, and simdgroup/lane are swapped.
-#include "../../sdpa_common.metal"
+#include "../../kernels/sdpa_common.metal"
 
 template <typename T>
 [[kernel]] void bad_attributes(device T* x [[buffer(0)]], device T* y [[buffer(2)]],

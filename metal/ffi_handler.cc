@@ -1,20 +1,14 @@
 // XLA FFI handlers of the Metal backend: jax_sdpa_metal_fwd / _bwd / _paged_fwd, registered
-// on JAX's "cpu" platform. Decodes and checks the call (ffi/ffi_args.h), builds the launch plan
-// (metal_shaders/host_plan.h) and hands it to the platform runner: Metal on macOS
-// (metal_shaders/host_macos.mm), the CPU emulator of the same .metal kernels on Linux
-// (metal_shaders/runner_emulator.cc). Also the nanobind module _sdpa_metal.
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
-
+// on JAX's "cpu" platform. Unpacks and checks the call (ffi/ffi_args.h), builds the launch plan
+// (metal/host/host_plan.h) and hands it to the platform runner: Metal on macOS
+// (metal/host/host_macos.mm), the CPU emulator of the same .metal kernels on Linux
+// (metal/host/runner_emulator.cc). The module _sdpa_metal is metal/module.cc.
 #include <string>
 
 #include "ffi/ffi_args.h"
-#include "ffi/module_registrations.h"
 #include "ffi/registry.h"
-#include "metal_shaders/host_plan.h"
+#include "metal/host/host_plan.h"
 #include "xla/ffi/api/ffi.h"
-
-namespace nb = nanobind;
 
 namespace jax_sdpa {
 namespace {
@@ -109,28 +103,3 @@ JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_metal_fwd, jax_sdpa::MetalFwd,
 JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_metal_bwd, jax_sdpa::MetalBwd,
                            jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()),
                            jax_sdpa::kServedFeatures);
-
-NB_MODULE(_sdpa_metal, m) {
-  m.doc() = "jax_sdpa Metal backend (Metal on macOS, the CPU emulator of its kernels on Linux)";
-  jax_sdpa::def_registrations(m);
-  m.def(
-      "describe",
-      []() -> std::string {
-        jax_sdpa::metal::Runner* r = jax_sdpa::metal::runner();
-        return r ? r->describe() : "unavailable: " + jax_sdpa::metal::runner_error();
-      },
-      "'emulator (...)' on Linux, the Metal device name on macOS.");
-  m.def(
-      "available", []() { return jax_sdpa::metal::runner() != nullptr; },
-      "Whether a runner (Metal device or emulator) is usable.");
-  m.def(
-      "is_emulator",
-      []() {
-#ifdef JAX_SDPA_METAL_EMULATED
-        return true;
-#else
-        return false;
-#endif
-      },
-      "True when the kernels run on the CPU emulator.");
-}

@@ -1,4 +1,4 @@
-// Host side shared by the macOS Metal runner and the Linux emulator: turns the decoded call
+// Host side shared by the macOS Metal runner and the Linux emulator: turns the unpacked call
 // (jax_sdpa::SdpaParams) into the kernel parameter struct and a list of kernel launches over
 // named buffers. Which kernel runs (decode vs tiled, number of key splits) is decided here,
 // once, for both platforms. No XLA, no Metal, no emulator types.
@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "ffi/sdpa_params.h"
-#include "metal_shaders/sdpa_shared.h"
+#include "ffi/tuning_knobs.h"
+#include "metal/host/metal_tuning.h"
+#include "metal/kernels/sdpa_shared.h"
 
 namespace jax_sdpa {
 namespace metal {
@@ -48,7 +50,7 @@ class Runner {
   // Executes the launches in order and waits for them; "" on success, else the error.
   virtual std::string run(const Plan& plan) = 0;
 };
-Runner* runner();  // defined by host_emulator_runner.cc or host_macos.mm; null if unavailable
+Runner* runner();  // defined by runner_emulator.cc or host_macos.mm; null if unavailable
 std::string runner_error();  // why runner() is null
 
 inline const char* dtype_tag(DType t) {
@@ -86,8 +88,10 @@ inline std::string unsupported_reason(const SdpaParams& p) {
   return "";
 }
 
-inline int env_int(const char* name, int fallback) {
-  const char* s = std::getenv(name);
+// A force knob's value (tuning builds and the emulator only: ffi/tuning_knobs.h), else
+// fallback.
+inline int knob_int(const char* name, int fallback) {
+  const char* s = tuning_knob(name);
   if (s == nullptr || *s == 0) return fallback;
   return std::atoi(s);
 }
@@ -210,24 +214,27 @@ inline void add_launch(Plan* plan, std::string name, uint32_t gx, uint32_t gy, u
 }  // namespace detail
 
 // Decode kernel for few queries (all query heads of a GQA group share each K/V read),
-// tiled kernel otherwise. JAX_SDPA_METAL_KERNEL=decode|full forces one (tests use it).
+// tiled kernel otherwise (metal_tuning.h). JAX_SDPA_METAL_KERNEL=decode|full forces one
+// (tuning builds and the emulator, whose tests force each path).
 inline bool use_decode(const SdpaParams& p) {
-  const char* force = std::getenv("JAX_SDPA_METAL_KERNEL");
+  const char* force = tuning_knob("JAX_SDPA_METAL_KERNEL");
   if (force != nullptr && std::strcmp(force, "decode") == 0) return true;
   if (force != nullptr && std::strcmp(force, "full") == 0) return false;
-  return p.len_q <= 8;
+  return p.len_q <= tuning::kDecodeMaxQueries;
 }
 
 // Key splits of the two-pass decode: long caches with few threadgroups get split so that the
-// GPU has enough threadgroups, keeping >= 256 keys per split. JAX_SDPA_METAL_SPLITS=n forces.
+// GPU has enough threadgroups, each split keeping enough keys (metal_tuning.h).
+// JAX_SDPA_METAL_SPLITS=n forces (tuning builds and the emulator).
 inline int decode_splits(const SdpaParams& p, int64_t groups) {
-  int forced = env_int("JAX_SDPA_METAL_SPLITS", 0);
+  int forced = knob_int("JAX_SDPA_METAL_SPLITS", 0);
   int n = 1;
   if (forced > 0) {
     n = forced;
-  } else if (p.len_kv >= 1024) {
-    const int64_t want = (256 + groups - 1) / std::max<int64_t>(groups, 1);
-    n = int(std::min<int64_t>(want, p.len_kv / 256));
+  } else if (p.len_kv >= tuning::kSplitMinKeys) {
+    const int64_t want = (tuning::kSplitTargetThreadgroups + groups - 1) /
+                         std::max<int64_t>(groups, 1);
+    n = int(std::min<int64_t>(want, p.len_kv / tuning::kSplitMinKeysEach));
   }
   return std::max(1, std::min(n, SDPA_MAX_SPLITS));
 }

@@ -1,11 +1,11 @@
 // The Linux emulator's kernel side: the project's .metal files compiled as C++ by clang through
 // msl_emulator.h, exposed to the rest of the module through a plain C function (this object
 // is built by clang; the handler may be built by another compiler).
-#include "metal_shaders/msl_emulator.h"
+#include "metal/host/msl_emulator.h"
 
-#include "metal_shaders/sdpa_backward.metal"
-#include "metal_shaders/sdpa_decode.metal"
-#include "metal_shaders/sdpa_forward.metal"
+#include "metal/kernels/sdpa_backward.metal"
+#include "metal/kernels/sdpa_decode.metal"
+#include "metal/kernels/sdpa_forward.metal"
 
 // float -> bfloat conversions compile to a call of this compiler-rt helper, which older libgccs
 // (Debian 12's) lack; defining it here (round to nearest even, NaN stays NaN) spares the

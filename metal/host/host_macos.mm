@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "metal_shaders/host_plan.h"
+#include "metal/host/host_plan.h"
 
 extern const char kJaxSdpaMetalSource[];
 

@@ -1,6 +1,8 @@
 // Sweep knobs: environment variables that pick kernel variants, plans or modes for tuning
-// runs (benchmarks/tuning/, docs/environment.md). They and the variants they pick exist only
-// in tuning builds (CMake -DJAX_SDPA_TUNING=ON); a product build reads none of them.
+// runs and tests (benchmarks/tuning/, docs/environment.md): the CUDA kernels' and the Metal
+// plan's. They and the variants they pick exist only in tuning builds (CMake
+// -DJAX_SDPA_TUNING=ON) and in the Metal emulator (a test tool, metal/CMakeLists.txt); a
+// product build reads none of them.
 #pragma once
 
 #include <cstdlib>

@@ -4,7 +4,7 @@
 #include <limits>
 #include <memory>
 
-#include "metal_shaders/host_plan.h"
+#include "metal/host/host_plan.h"
 
 extern "C" int jax_sdpa_metal_emu_launch(const char* kernel, const uint32_t grid[3],
                                          uint32_t threads, void* const* buffers, int nbuffers,

@@ -1,7 +1,7 @@
 // XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA"), and
 // jax_sdpa_cudnn_fwd_no_lse: the forward of a call whose lse nobody reads (lse comes back
 // NaN; cuDNN skips its softmax stats where the row fix-up doesn't need them).
-// Decode + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
+// Unpack + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
 // cuda/cudnn/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
 // comes from the ScratchAllocator, which CUDA-graph capture does not allow.
 #include <cuda_runtime.h>

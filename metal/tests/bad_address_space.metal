@@ -1,6 +1,6 @@
 // Negative test for the syntax check: mixes address spaces the way MSL forbids.
 // check_syntax.sh must reject this file (the good .metal files must pass).
-#include "../sdpa_common.metal"
+#include "../kernels/sdpa_common.metal"
 
 [[kernel]] void bad_address_space(device float* x [[buffer(0)]],
                                   constant SdpaMetalParams& p [[buffer(1)]],

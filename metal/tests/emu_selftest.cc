@@ -4,10 +4,10 @@
 //  - divergent barriers, divergent simd ops and deadlocks are reported as errors,
 //  - every attention kernel on odd shapes vs a float64 reference (built with ASan by
 //    JAX_SDPA_METAL_EMULATOR_ASAN=ON, this is the out-of-bounds check of the kernels).
-// Built by metal_shaders/CMakeLists.txt with clang; run by CTest (metal_emu_selftest).
-#include "metal_shaders/runner_emulator.cc"  // plan + runner (before the MSL keywords exist)
+// Built by metal/CMakeLists.txt with clang; run by CTest (metal_emu_selftest).
+#include "metal/host/runner_emulator.cc"  // plan + runner (before the MSL keywords exist)
 //
-#include "metal_shaders/host_emulator.cc"  // emulator + the project's kernels
+#include "metal/host/host_emulator.cc"  // emulator + the project's kernels
 
 #include <algorithm>
 #include <random>

@@ -1,5 +1,5 @@
 // XLA FFI handlers `jax_sdpa_cuda_flash_fwd` / `_bwd`: our own CUDA flash-attention
-// prefill kernels (cuda/flash_attention*) behind the forward/backward contract of
+// prefill kernels (cuda/flash/flash_attention*) behind the forward/backward contract of
 // docs/ffi_contract.md. `implementation="cuda"` routes here for everything the decode
 // kernel (`jax_sdpa_cuda_fwd`) does not take (jax_sdpa/dispatch.py: cuda_kernel).
 //
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "ffi/registry.h"
-#include "cuda/common/tuning_knobs.h"
+#include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_attention.h"
 #include "ffi/cuda_ffi_util.h"
 #include "ffi/ffi_args.h"

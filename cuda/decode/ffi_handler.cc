@@ -1,5 +1,5 @@
 // XLA FFI handlers `jax_sdpa_cuda_fwd`: our own CUDA decode kernels
-// (cuda/decode_attention.*) behind the forward contract of docs/ffi_contract.md, and
+// (cuda/decode/decode_attention.*) behind the forward contract of docs/ffi_contract.md, and
 // `jax_sdpa_cuda_paged_fwd`, the same decode shapes over a paged K/V cache.
 // Few-query attention (Lq * Hq/Hk small) over long key/value caches; the
 // backward of these shapes goes to cuDNN or the reference (same lse contract).
