@@ -321,7 +321,7 @@ BENCH_ROWS = [  # (name, dtype, B, H, L, D, causal)
     ("SD3 B2 H38 L4250 D64 fp32", "fp32", 2, 38, 4250, 64, False),
     ("fp32 B1 H16 L8192 D128", "fp32", 1, 16, 8192, 128, False),
     ("D512 bf16 B1 H16 L4096 causal", "bf16", 1, 16, 4096, 512, True),
-    # 128 MiB of fp32 scores: under XLA_CHUNKED_SCORE_BYTES (jax_sdpa/dispatch.py), where
+    # 128 MiB of fp32 scores: under XLA_CHUNKED_SCORE_BYTES (jax_sdpa/tuning.py), where
     # implementation=None's backward is our XLA path
     ("D512 bf16 B4 H8 L1024 causal", "bf16", 4, 8, 1024, 512, True),
     ("SD3 B2 H38 L4250 D64 fp16 (cudnn reference point)", "fp16", 2, 38, 4250, 64, False),
