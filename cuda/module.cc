@@ -71,7 +71,7 @@ NB_MODULE(_sdpa_cuda, m) {
   m.def(
       "cudnn_unsupported_reason",
       [](int64_t batch, double logits_soft_cap, bool has_lengths, bool per_batch_sinks) {
-        jax_sdpa::SdpaParams p = shape("float16", batch, 1, 1, 1, 1, 8, 8);
+        jax_sdpa::SdpaParams p = shape_params("float16", batch, 1, 1, 1, 1, 8, 8);
         p.logits_soft_cap = logits_soft_cap;
         return jax_sdpa::cudnn::unsupported_reason(p, has_lengths, per_batch_sinks);
       },
