@@ -1,7 +1,7 @@
 // The contract's score and row rules (docs/ffi_contract.md) that every CUDA attention kernel
-// (flash forward / backward, decode) applies, in one place: when a softmax row is empty, how
-// outputs are selected rather than multiplied, logit soft-capping, segment ids and the
-// segment-range test behind block skipping.
+// (flash forward / backward, decode) applies, in one place: the online softmax's rescaling
+// step, when a softmax row is empty, how outputs are selected rather than multiplied, logit
+// soft-capping, segment ids and the segment-range test behind block skipping.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/mma_helpers.cuh"
 #include "ffi/sdpa_params.h"
 
 // The contract features a kernel argument struct carries, appended after a family's own
@@ -74,6 +75,36 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   x += __shfl_xor_sync(0xffffffffu, x, 2);
   return x;
+}
+
+// The max of x over the 4 lanes of a quad (the sum is quad_sum).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// The exponentials a kernel's online softmax runs on: base 2 (scores scaled by log2(e)) or
+// base e, each accurate (exp2f, expf) or fast (ex2.approx, __expf).
+enum class SoftmaxExp { kExp2, kFastExp2, kExp, kFastExp };
+template <SoftmaxExp kExpKind>
+__device__ __forceinline__ float softmax_exp(float x) {
+  if constexpr (kExpKind == SoftmaxExp::kExp2) return exp2f(x);
+  else if constexpr (kExpKind == SoftmaxExp::kFastExp2) return fast_exp2(x);
+  else if constexpr (kExpKind == SoftmaxExp::kExp) return expf(x);
+  else return __expf(x);
+}
+
+// The online softmax's step of one row, once its new running max m_new (the old one and the
+// step's scores, over the row's threads) is known: sets mu, the offset this step's
+// exponentials exp(s - mu) use (m_new, or 0 while it is -inf, so that masked scores give 0,
+// not NaN), sets m_run = m_new and returns exp(m_old - mu), the factor that rescales the
+// row's sum and output.
+template <SoftmaxExp kExpKind>
+__device__ __forceinline__ float online_rescale(float& m_run, float m_new, float& mu) {
+  mu = m_new == -INFINITY ? 0.f : m_new;
+  const float alpha = softmax_exp<kExpKind>(m_run - mu);
+  m_run = m_new;
+  return alpha;
 }
 
 // The backward's exponent of a recomputed probability, P = 2^d (or e^d), d = logit - lse in

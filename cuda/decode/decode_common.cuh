@@ -62,11 +62,15 @@ using cuda_common::cp_async_commit;
 using cuda_common::cp_async_wait;
 using cuda_common::from_float;
 using cuda_common::pack2;
+using cuda_common::online_rescale;
+using cuda_common::quad_max;
 using cuda_common::quad_sum;
+using cuda_common::SoftmaxExp;
 using cuda_common::to_float;
 
 // D = A(16x16, row) * B(16x8, col) + D, f32 accumulators (cuda_common::mma16816, free to
-// schedule).
+// schedule). A wrapper over scalars: calling cuda_common::mma16816 with the fragments' arrays
+// in place reschedules decode_tc_kernel's machine code.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -117,25 +121,6 @@ __device__ __forceinline__ void load_vt_rows(const T* Vs, int t, int dv, uint4& 
   v1 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 1) * DVP + dv);
   v2 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 8) * DVP + dv);
   v3 = *reinterpret_cast<const uint4*>(Vs + (2 * t + 9) * DVP + dv);
-}
-
-// The max of x over the lane's quad (lanes 4g .. 4g + 3: an mma row's four threads; the
-// sum is cuda_common::quad_sum).
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-// The online softmax's running max m_run of a row after a step whose scores' max is mx
-// (log2 domain): returns the factor exp2(m_old - m_new) that rescales the row's sum and
-// output; mu: the offset the step's p = exp2(s - mu) use (the new max, 0 while it is
-// -inf, so that masked scores give 0, not NaN).
-__device__ __forceinline__ float online_max_update(float& m_run, float mx, float& mu) {
-  const float mn = fmaxf(m_run, mx);
-  mu = mn == -INFINITY ? 0.f : mn;
-  const float al = exp2f(m_run - mu);
-  m_run = mn;
-  return al;
 }
 
 // Zeros every element of a (multi-dimensional) float array: accumulators, score tiles.

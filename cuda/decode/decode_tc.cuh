@@ -71,9 +71,9 @@ __device__ __forceinline__ void tc_tile_step(const Args& a, const RowInfo& rowA,
         mxA = fmaxf(mxA, s[n][e]);
     }
   float muA;
-  const float alA = online_max_update(mA, quad_max(mxA), muA);
+  const float alA = online_rescale<SoftmaxExp::kExp2>(mA, fmaxf(mA, quad_max(mxA)), muA);
   float alB = 1.f, muB = 0.f;
-  if (NT == 2) alB = online_max_update(mB, quad_max(mxB), muB);
+  if (NT == 2) alB = online_rescale<SoftmaxExp::kExp2>(mB, fmaxf(mB, quad_max(mxB)), muB);
   float sumA = 0.f, sumB = 0.f;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {

@@ -79,7 +79,7 @@ __device__ __forceinline__ void wide_softmax(const Args& a, const RowInfo& row, 
     mx = fmaxf(mx, p[e]);
   }
   float mu;
-  const float al = online_max_update(m_run, quad_max(mx), mu);
+  const float al = online_rescale<SoftmaxExp::kExp2>(m_run, fmaxf(m_run, quad_max(mx)), mu);
   float sum = 0.f;
 #pragma unroll
   for (int e = 0; e < NP; ++e) {

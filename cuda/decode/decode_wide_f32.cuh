@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(NW * 32, 1) decode_wide_f32_kernel(const Args 
       mx = fmaxf(mx, p[i]);
     }
     float mu;
-    const float al = online_max_update(m_run, quad_max(mx), mu);
+    const float al = online_rescale<SoftmaxExp::kExp2>(m_run, fmaxf(m_run, quad_max(mx)), mu);
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

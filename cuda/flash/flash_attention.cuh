@@ -77,7 +77,10 @@ using cuda_common::mma_tf32x3;
 using cuda_common::round_tf32;
 using cuda_common::to_tf32;
 using cuda_common::row_output;
+using cuda_common::online_rescale;
+using cuda_common::quad_max;
 using cuda_common::quad_sum;
+using cuda_common::SoftmaxExp;
 using cuda_common::row_inverse_sum;
 using cuda_common::row_lse_base2;
 using cuda_common::same_segment_ids;
@@ -515,11 +518,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FwdArgs a) {
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
-      mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
-      const float mu = mnew[r] == -INFINITY ? 0.f : mnew[r];
-      alpha[r] = kMode == 2 ? expf(m[r] - mu) : __expf(m[r] - mu);
-      m[r] = mnew[r];
+      constexpr SoftmaxExp kExpKind = kMode == 2 ? SoftmaxExp::kExp : SoftmaxExp::kFastExp;
+      float mu;
+      alpha[r] = online_rescale<kExpKind>(m[r], quad_max(mnew[r]), mu);
       mnew[r] = mu;  // the subtrahend for this block's exponentials
     }
     float rowsum[2] = {0.f, 0.f};

@@ -273,11 +273,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarps == 4 ? (kBN == 32 && kD ==
     float alpha[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
-      mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
-      const float mu = mnew[r] == -INFINITY ? 0.f : mnew[r];
-      alpha[r] = fast_exp2(m[r] - mu);
-      m[r] = mnew[r];
+      float mu;
+      alpha[r] = online_rescale<SoftmaxExp::kFastExp2>(m[r], quad_max(mnew[r]), mu);
       mnew[r] = mu;
       l[r] *= alpha[r];
     }

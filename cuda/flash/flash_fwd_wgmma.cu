@@ -169,10 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
         mloc[r] = fmaxf(mloc[r], x);
       }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mloc[r] = fmaxf(mloc[r], __shfl_xor_sync(0xffffffffu, mloc[r], 1));
-      mloc[r] = fmaxf(mloc[r], __shfl_xor_sync(0xffffffffu, mloc[r], 2));
-    }
+    for (int r = 0; r < 2; ++r) mloc[r] = quad_max(mloc[r]);
     if (t == 0) {
       sM[wg * kBM + rl0] = mloc[0];
       sM[wg * kBM + rl0 + 8] = mloc[1];
@@ -183,9 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
     for (int r = 0; r < 2; ++r) {
       const int rl = rl0 + 8 * r;
       const float mnew = fmaxf(m[r], fmaxf(sM[rl], sM[kBM + rl]));  // same in both halves
-      mu[r] = mnew == -INFINITY ? 0.f : mnew;
-      alpha[r] = fast_exp2(m[r] - mu[r]);
-      m[r] = mnew;
+      alpha[r] = online_rescale<SoftmaxExp::kFastExp2>(m[r], mnew, mu[r]);
       l[r] *= alpha[r];
     }
 
