@@ -250,7 +250,9 @@ def test_forward_contract(name, dtype, seq_major, key):
     check(out, want, xla_same_dtype(q, k, v, mask, sinks, ql, kvl, **flags), dtype, "out")
     # lse: -inf exactly where the oracle has nothing, no NaN; close elsewhere.
     err = oracle.lse_error(lse, want_lse)
-    assert err <= oracle.lse_tolerance(dtype, "cudnn"), f"lse error {err:.3g}"
+    f32_bias = CASES[name].get("mask") in ("add32", "addinf")
+    bound = oracle.lse_tolerance(dtype, "cudnn", case="cudnn_f32_bias" if f32_bias else None)
+    assert err <= bound, f"lse error {err:.3g}"
     # Rows with nothing to attend are exactly zero.
     empty = ~np.isfinite(want_lse)
     if empty.any():
