@@ -352,13 +352,16 @@ void narrow_values_bf16_rows(int64_t d0, const void* const* vr, int64_t jn, cons
     narrow_values_bf16<RP, DVC, Half>(c0, d0, vr, jn, Pp, np, alpha, Or, ldo, zero);
 }
 
-// O rows += P . V, up to kValueAccs / 2 chunks a pass (as the float32 kernel: each pass
-// reads its columns of every V row in key order, whole rows up to Dv = 256).
+// O rows += P . V, every row in each pass and as many chunks as kValueAccs accumulators
+// allow (two a chunk and row): each V element is loaded and interleaved once. The passes
+// read parts of each V row, which the scores pass has already prefetched into L2; taking
+// fewer rows a pass over whole rows instead (the float32 kernel's order) re-interleaved
+// every V row once per pass (B1 H32/KV8 D128 Lk2048, one thread from L3: 0.47 -> 0.42 ms).
 template <int NP2>
 void narrow_values_bf16_all(int64_t Dv, const void* const* vr, int64_t jn, const uint32_t* Pp,
                             int64_t np, const float* alpha, float* Or, int64_t ldo,
                             const uint16_t* zero) {
-  constexpr int kChunks = kValueAccs / 2;
+  constexpr int kChunks = kValueAccs / (2 * NP2) < 1 ? 1 : kValueAccs / (2 * NP2);
   int64_t d0 = 0;
   for (; d0 + kBf16Vec <= Dv;) {
     const int64_t n = min64(kChunks, (Dv - d0) / kBf16Vec);

@@ -36,10 +36,14 @@ constexpr int64_t kGroupHeads = 16;
 // fill the transposed micro-kernel's lanes.
 constexpr int64_t kNarrow = W < 8 ? W : 8;
 
-// Decode prefetch: K rows this far ahead of the scores' loads (into L2, across block ends).
-// Without it the interleaved K rows read from memory at half the bandwidth (B1 H32/KV8 D128
-// Lk16384 float32 8.35 -> 4.87 ms, peers.json).
-constexpr int64_t kAheadRows = 16;
+// Decode prefetch: K rows this far ahead of the scores' loads (into L2; past a block's end,
+// into the next block's rows). The interleaved K rows are read from memory at half the
+// bandwidth without it (B1 H32/KV8 D128 Lk16384 float32 8.35 -> 4.87 ms); a whole block
+// ahead rather than 16 rows: bf16 3.9 -> 2.7 ms, float32 6.7 -> 5.3 ms at B1 Lk16384, B8
+// Lk4096 bf16 8.1 -> 5.8 ms, float32 13.0 -> 10.8 ms (kernel harness, 4 KiB pages; 32 and
+// 48 rows gained a third of that, two blocks ahead nothing more). At most kBk: NextRows holds
+// one block's rows.
+constexpr int64_t kAheadRows = kBk;
 
 // Accumulators the narrow values kernel keeps in registers (half the vector registers), so a
 // pass reads whole V rows in key order up to Dv = kValueAccs * W (passes over a few vectors of
