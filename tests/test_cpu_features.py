@@ -263,7 +263,7 @@ def test_decode_tiles(shape, dtype, rng):
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 1, 1, 3000, 64), (1, 2, 2, 40, 2500, 32),
-                                   (1, 3, 1, 2, 1100, 24)],
+                                   (1, 3, 1, 2, 2100, 24)],
                          ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
 def test_keys_split_across_threads(shape, rng):
     """Few tiles and many keys: each tile's keys are cut into shares whose softmax states
