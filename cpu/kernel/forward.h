@@ -352,10 +352,13 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   const SdpaParams& p = *ctx.p;
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Hk = p.heads_kv, gh = ctx.group_heads;
   const int64_t groups = (Hk + gh - 1) / gh;  // per batch row
-  const int64_t BH = p.batch * Hk, BG = p.batch * groups;
-  // Heaviest tiles (latest queries under a causal band) first.
+  const int64_t BH = p.batch * Hk;
+  // One group of kv heads at a time, its heaviest tiles (latest queries under a causal band)
+  // first: consecutive tasks read the same K and V, which stay in cache (tile by tile across
+  // all heads streamed every head's K and V once a tile: B1 H24 D64 L4096 693 -> 600 ms,
+  // H8 L16384 3457 -> 3061 ms in the kernel harness).
   const int64_t share = task % ctx.nsplit, group_task = task / ctx.nsplit;
-  const int64_t tile = ctx.tiles - 1 - group_task / BG, bg = group_task % BG;
+  const int64_t bg = group_task / ctx.tiles, tile = ctx.tiles - 1 - group_task % ctx.tiles;
   const int64_t b = bg / groups, hk0 = bg % groups * gh, nh = min64(gh, Hk - hk0);
 
   Carver cv{ctx.arena.base + ctx.arena.per * participant};
