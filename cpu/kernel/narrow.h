@@ -65,12 +65,34 @@ struct NextRows {
   const char* const* k;
   int64_t kbytes;
 };
-inline void prefetch_row(const void* row, int64_t bytes, bool to_l1) {
+__attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t bytes,
+                                                     bool to_l1) {
   const char* r = static_cast<const char*>(row);
   if (to_l1)
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(r + x, 0, 3);
   else
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(r + x, 0, 2);
+}
+
+// The prefetches of the scores' group of KJ keys from j0: the K rows kAheadRows ahead (of
+// kbytes each; past the block's end, the next block's rows) and the group's own V rows.
+// Always inlined: GCC takes a call whose only effects are prefetches for a call without
+// effects and drops it.
+template <int KJ>
+__attribute__((always_inline)) inline void prefetch_ahead(const void* const* kr, int64_t jn,
+                                                         int64_t j0, int64_t kbytes,
+                                                         const NextRows& nx,
+                                                         const void* const* vr, int64_t vbytes) {
+  for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
+    if (i < jn) {
+      if (kr[i]) prefetch_row(kr[i], kbytes, false);
+    } else if (i - jn < kBk && nx.k[i - jn]) {
+      prefetch_row(nx.k[i - jn], nx.kbytes, false);
+    }
+  }
+  if (vr)
+    for (int64_t u = j0; u < min64(jn, j0 + KJ); ++u)
+      if (vr[u]) prefetch_row(vr[u], vbytes, false);
 }
 
 // T: the rows' element type (float, or uint16_t for bfloat16 bits read in place).
@@ -86,16 +108,7 @@ void narrow_scores(int64_t D, const void* const* kr, int64_t jn, const float* Qr
 #pragma GCC unroll 16
     for (int u = 0; u < KJ; ++u)
       rows[u] = (j0 + u < jn && kr[j0 + u]) ? static_cast<const T*>(kr[j0 + u]) : zero;
-    for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
-      if (i < jn) {
-        if (kr[i]) prefetch_row(kr[i], D * (int64_t)sizeof(T), false);
-      } else if (i - jn < kBk && nx.k[i - jn]) {
-        prefetch_row(nx.k[i - jn], nx.kbytes, false);
-      }
-    }
-    if (vr)
-      for (int64_t u = j0; u < min64(jn, j0 + KJ); ++u)
-        if (vr[u]) prefetch_row(vr[u], vbytes, false);
+    prefetch_ahead<KJ>(kr, jn, j0, D * (int64_t)sizeof(T), nx, vr, vbytes);
     vf acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = vf{};
@@ -240,16 +253,7 @@ void narrow_scores_bf16(int64_t D, const void* const* kr, int64_t jn, const uint
 #pragma GCC unroll 16
     for (int u = 0; u < KJ; ++u)
       rows[u] = (j0 + u < jn && kr[j0 + u]) ? static_cast<const uint16_t*>(kr[j0 + u]) : zero;
-    for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
-      if (i < jn) {
-        if (kr[i]) prefetch_row(kr[i], D * 2, false);
-      } else if (i - jn < kBk && nx.k[i - jn]) {
-        prefetch_row(nx.k[i - jn], nx.kbytes, false);
-      }
-    }
-    if (vr)
-      for (int64_t u = j0; u < min64(jn, j0 + KJ); ++u)
-        if (vr[u]) prefetch_row(vr[u], vbytes, false);
+    prefetch_ahead<KJ>(kr, jn, j0, D * 2, nx, vr, vbytes);
     __m512 acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = _mm512_setzero_ps();
