@@ -60,6 +60,7 @@ void merge_shares(const FwdCtx& ctx, int64_t tile_id, const Tile& t, bool narrow
 struct TileState {
   Tile t;
   bool narrow;
+  bool bf16_pairs;  // narrow with the bf16 products (bf16 on AVX512-BF16): both by VDPBF16PS
   int np2;
   float *Qr, *Or, *Ot, *m, *l, *alpha;
   uint32_t* Qb;  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
@@ -136,6 +137,11 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   setup_tile(p, &t);
   // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
   st->narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
+#if defined(__AVX512BF16__)
+  st->bf16_pairs = st->narrow && bf16_products(p);
+#else
+  st->bf16_pairs = false;
+#endif
   st->np2 = np2_for(t.n);
   for (int64_t c = 0; c < t.np; ++c) {
     bool sink = share == 0 && p.sinks && c < t.n && t.col_i[c] < t.qlen;
@@ -152,8 +158,7 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
     pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
 #if defined(__AVX512BF16__)
     if (bf16_products(p) && !st->narrow) pack_q_pairs(sc.Qt, D, t.np, sc.Qp);
-    if (bf16_products(p) && st->narrow)
-      pack_q_rows_bf16(st->Qr, D, st->np2, st->Qb, narrow_pair_words(D));
+    if (st->bf16_pairs) pack_q_rows_bf16(st->Qr, D, st->np2, st->Qb, narrow_pair_words(D));
 #endif
   }
 }
@@ -177,7 +182,8 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
   // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
   // scratch (zeros for hidden runs) and used as one run.
   if (st.narrow) {
-    // bfloat16 rows are widened in registers by the narrow kernels; float16 converted here.
+    // bfloat16 rows are read in place (paired with VDPBF16PS, else widened in registers);
+    // float16 converted here.
     const bool bf16 = p.dtype == DType::kBF16;
     const bool in_place = f32 || bf16;
     const int64_t item = f32 ? 4 : 2;
@@ -196,9 +202,9 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
         }
       }
 #if defined(__AVX512BF16__)
-    if (bf16)
-      narrow_scores_bf16_np2(st.np2, D, sc.kr, jn, st.Qb, narrow_pair_words(D), sc.zero_row, St,
-                             np, NextRows{sc.next_k, D * item}, sc.vr, Dv * item);
+    if (st.bf16_pairs)
+      narrow_scores_bf16_np2(st.np2, D, sc.kr, jn, st.Qb, narrow_pair_words(D), sc.zero_row,
+                             St, np, NextRows{sc.next_k, D * item}, sc.vr, Dv * item);
     else
 #endif
       narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
@@ -258,7 +264,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
   }
   if (st.narrow) {  // O = alpha * O + P · V
 #if defined(__AVX512BF16__)
-    if (bf16_products(p)) {
+    if (st.bf16_pairs) {
       pack_p_pairs(St, jn, np, sc.Pp);
       narrow_values_bf16_np2(st.np2, Dv, sc.vr, jn, sc.Pp, np, alpha, st.Or, Dv,
                              reinterpret_cast<const uint16_t*>(sc.zero_row));

@@ -230,6 +230,8 @@ void narrow_values_any(bool bf16, int np2, int64_t Dv, const void* const* vr, in
   narrow_values_np2<float>(np2, Dv, vr, jn, P, np, alpha, Or, ldo);
 }
 
+constexpr int64_t kBf16Vec = 2 * W;  // bf16 elements in a vector
+
 #if defined(__AVX512BF16__)
 // bfloat16 narrow tiles on CPUs with AVX512-BF16: both products by VDPBF16PS, half the
 // instructions of widening each element (the float32 FMAs of the widened rows left decode
@@ -238,7 +240,6 @@ void narrow_values_any(bool bf16, int np2, int64_t Dv, const void* const* vr, in
 // zero-padded to a multiple of 32 elements. The values pass pairs keys: two V rows
 // interleaved per 128-bit lane (a fixed column order, undone where O is loaded and stored)
 // times their probabilities rounded to bf16, after the online softmax summed them unrounded.
-constexpr int64_t kBf16Vec = 2 * W;  // bf16 elements in a vector
 
 template <int NP2>
 void narrow_scores_bf16(int64_t D, const void* const* kr, int64_t jn, const uint32_t* Qb,
@@ -416,7 +417,7 @@ void pack_q_rows_bf16(const float* Qr, int64_t D, int np2, uint32_t* Qb, int64_t
 }
 #endif  // __AVX512BF16__
 // Words of a bf16 pair row of the narrow bf16 products (D rounded up to whole vectors).
-inline int64_t narrow_pair_words(int64_t D) { return round_up(D, 2 * W) / 2; }
+inline int64_t narrow_pair_words(int64_t D) { return round_up(D, kBf16Vec) / 2; }
 
 // 16-bit K and V rows of a block's runs converted to float32 rows j of Kf / Vf (zeros
 // for hidden runs: never read).
