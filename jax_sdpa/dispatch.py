@@ -815,11 +815,6 @@ class _PagedCall:
                 or not self.decode_refusal)
 
 
-def _paged_verdict(name: str, cfg: Config, platform: str) -> Verdict:
-    """Whether implementation `name` serves a paged call (`_paged_rule`)."""
-    return _PagedCall(cfg, platform).verdict(name)
-
-
 def _paged_preference(platform: str):
     if platform == "cuda":
         return ["cuda", "cudnn"]

@@ -23,7 +23,7 @@ def skip_unless_paged(impl, cfg):
     if impl in (None, "xla", "xla_chunked"):
         return
     platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
-    ok, why = dispatch._paged_verdict(impl, cfg, platform)
+    ok, why = dispatch._PagedCall(cfg, platform).verdict(impl)
     if not ok:
         pytest.skip(f"{impl}: {why}")
 
