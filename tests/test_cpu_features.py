@@ -450,24 +450,25 @@ BF16_SHAPES = [  # b, hq, hk, lq, lk, d, dv: prefill-shaped tiles (more than 8 r
 ]
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "mask", "segments", "softcap"])
-@pytest.mark.parametrize("shape", BF16_SHAPES,
-                         ids=lambda s: "b{}h{}k{}q{}k{}d{}v{}".format(*s))
-def test_bf16_forward_and_backward_match_float64(shape, case, rng):
+def _bf16_case(rng, shape, case, short):
+    """bf16-valued float32 q, k, v of `shape` (b, hq, hk, lq, lk, d, dv), the first row's keys
+    cut `short` below lk, sinks, and `case`'s feature: (q, k, v, kw for the targets, ow for
+    the oracle, extra target operands)."""
     b, hq, hk, lq, lk, d, dv = shape
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    q, k, v = (np.asarray(bf(_normal(rng, *s)).astype(jnp.float32))
+    q, k, v = (np.array(bf(_normal(rng, *s)).astype(jnp.float32))
                for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
-    kvl = np.array([lk - 3] + [lk] * (b - 1), np.int32)
+    kvl = np.array([lk - short] + [lk] * (b - 1), np.int32)
     sinks = _normal(rng, 1, hq)
     kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks)
     ow = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks[0].astype(np.float64))
-    mask = None
+    extra = {}
     if case == "causal":
         kw.update(window_right=0, bottom_right=True)
         ow.update(window_right=0, bottom_right=True)
     elif case == "mask":
         mask = rng.random((b, 1, lq, lk)) < 0.6
+        extra = dict(mask=jnp.asarray(mask))
         ow.update(mask=mask)
     elif case == "segments":
         qs, ks = _segments(rng, b, lq, "sorted"), _segments(rng, b, lk, "sorted")
@@ -477,7 +478,15 @@ def test_bf16_forward_and_backward_match_float64(shape, case, rng):
         q = q * 4  # logits the cap bends
         kw.update(logits_soft_cap=5.0)
         ow.update(logits_soft_cap=5.0)
-    extra = {} if mask is None else dict(mask=jnp.asarray(mask))
+    return q, k, v, kw, ow, extra
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "mask", "segments", "softcap"])
+@pytest.mark.parametrize("shape", BF16_SHAPES,
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}v{}".format(*s))
+def test_bf16_forward_and_backward_match_float64(shape, case, rng):
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    q, k, v, kw, ow, extra = _bf16_case(rng, shape, case, short=3)
     out, lse = _call_fwd(bf(q), bf(k), bf(v), **kw, **extra)
     want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
                                     v.astype(np.float64), **ow)
@@ -516,24 +525,7 @@ def test_bf16_decode_tiles_match_float64(shape, seq_major, case, rng):
     soft cap; a NaN key reaches only its kv head's rows."""
     b, hq, hk, lq, lk, d, dv = shape
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    q, k, v = (np.array(bf(_normal(rng, *s)).astype(jnp.float32))
-               for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
-    kvl = np.array([lk - 2] + [lk] * (b - 1), np.int32)
-    sinks = _normal(rng, 1, hq)
-    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks)
-    ow = dict(scale=1 / np.sqrt(d), kv_lengths=kvl, sinks=sinks[0].astype(np.float64))
-    extra = {}
-    if case == "causal":
-        kw.update(window_right=0, bottom_right=True)
-        ow.update(window_right=0, bottom_right=True)
-    elif case == "mask":
-        mask = rng.random((b, 1, lq, lk)) < 0.6
-        extra = dict(mask=jnp.asarray(mask))
-        ow.update(mask=mask)
-    elif case == "softcap":
-        q = q * 4  # logits the cap bends
-        kw.update(logits_soft_cap=5.0)
-        ow.update(logits_soft_cap=5.0)
+    q, k, v, kw, ow, extra = _bf16_case(rng, shape, case, short=2)
     k[0, 0, lk - 1] = np.nan  # past row 0's length: never read
     v[0, 0, lk - 1] = np.nan
     want, want_lse = oracle.forward(q.astype(np.float64), k.astype(np.float64),
