@@ -2,11 +2,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <cstdint>
 #include <string>
 
 #include "cpu/attention_cpu.h"
 #include "cpu/thread_pool.h"
+#include "ffi/module_facts.h"
 #include "ffi/module_registrations.h"
 
 namespace nb = nanobind;
@@ -18,14 +18,6 @@ NB_MODULE(_sdpa_cpu, m) {
         "The kernel variant picked for this CPU (x86-64-v4-bf16/v4/v3/v2 or generic).");
   m.def("num_threads", [] { return jax_sdpa::cpu::ThreadPool::global().participants(); },
         "Threads the kernel runs on (JAX_SDPA_CPU_THREADS overrides).");
-  m.def(
-      "unsupported_reason",
-      [](int64_t head_dim, int64_t head_dim_v) {
-        jax_sdpa::SdpaParams p;
-        p.head_dim = head_dim;
-        p.head_dim_v = head_dim_v;
-        return jax_sdpa::cpu::unsupported_reason(p);
-      },
-      nb::arg("head_dim"), nb::arg("head_dim_v"),
-      "Why the kernel can't serve these head dims ('' when it can).");
+  jax_sdpa::def_shape_fact(m, "unsupported_reason", &jax_sdpa::cpu::unsupported_reason,
+                           "Why the kernel can't serve these shapes ('' when it can).");
 }

@@ -109,7 +109,7 @@ def supports_cpu(cfg: Config, direction: str, platform: str) -> Verdict:
         return _no(f"the native CPU kernel: {_backend_missing('cpu')}")
     if (r := _common_fused_checks(cfg)) is not None:
         return r
-    if why := native.unsupported_reason(cfg.head_dim, cfg.head_dim_v):
+    if why := native.unsupported_reason(*_shape_args(cfg)):
         return _no(why)
     if (r := _unserved_features(cfg, f"jax_sdpa_cpu_{direction}", "the CPU kernel")):
         return r
