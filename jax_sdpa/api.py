@@ -14,219 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdpa import dispatch, vjp
+from jax_sdpa import checks, dispatch, vjp
 from jax_sdpa.config import Config, StaticParams
-
-_VALID_FLOATS = (np.float16, np.float32, np.float64, jnp.bfloat16)
-
-
-# ---------------------------------------------------------------------------
-# validation helpers
-
-def _as_array(x, name):
-    if x is None:
-        raise TypeError(f"{name} must be an array, got None")
-    try:
-        return jnp.asarray(x)
-    except TypeError as e:
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
-
-
-def _check_float(x, name):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype (float16, bfloat16, float32 or "
-                        f"float64), got {x.dtype}")
-
-
-def _check_sinks(sinks, heads, dim, out_dtype=None):
-    """sinks of shape (heads,) (`dim` names that axis in messages) as float32 [1, heads].
-    With `out_dtype` (the MLX entry), MLX's rule: the sinks' dtype must promote to it."""
-    if sinks is None:
-        return None
-    sinks = _as_array(sinks, "sinks")
-    if sinks.shape != (heads,):
-        raise ValueError(f"sinks must have shape ({dim},) = ({heads},), got {sinks.shape}")
-    _check_float(sinks, "sinks")
-    if out_dtype is not None and jnp.promote_types(sinks.dtype, out_dtype) != out_dtype:
-        raise ValueError(f"sinks of dtype {sinks.dtype} must promote to the output dtype "
-                         f"{jnp.dtype(out_dtype)} (as in MLX): cast them to {jnp.dtype(out_dtype)}")
-    return sinks.astype(jnp.float32).reshape(1, heads)
-
-
-def _is_int(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_scale(scale, head_dim, dim):
-    """scale as a finite Python float: it is a static attribute of the kernels. `dim` names
-    the head dim in messages (the default is 1/sqrt of it)."""
-    if scale is None:
-        if head_dim == 0:
-            raise ValueError(f"the default scale 1/sqrt({dim}) is undefined for a head dim "
-                             f"{dim} = 0: pass scale=")
-        return 1.0 / math.sqrt(head_dim)
-    what = f"{type(scale).__name__} {scale!r}"[:80]
-    if isinstance(scale, (str, bytes, bool, np.bool_)):
-        raise TypeError(f"scale must be a real number, got {what}")
-    try:
-        value = np.asarray(scale)
-    except Exception as e:  # noqa: BLE001 - a traced value (jit argument) lands here
-        raise TypeError(f"scale must be a static Python number (the kernels take it as an "
-                        f"attribute), got {what}") from e
-    if value.ndim != 0:
-        raise TypeError(f"scale must be a scalar, got an array of shape {value.shape}")
-    if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
-        raise TypeError(f"scale must be a real number, got {what} of dtype {value.dtype}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
-    return value
-
-
-def _check_lengths(x, name, batch, full, int32_only=False):
-    """Valid lengths as int32 [B], clamped to [0, full] before any narrowing (an int64
-    2**32 + 3 must mean "all", not 3). `int32_only`: jax.nn's rule, the dtype JAX would
-    give the array must be int32."""
-    if x is None:
-        return None
-    if isinstance(x, jax.Array):
-        arr = x
-        dtype = arr.dtype
-    else:  # numpy, lists, scalars: clamp in numpy, before JAX narrows them to int32
-        arr = np.asarray(x)
-        dtype = jax.dtypes.canonicalize_dtype(arr.dtype) if arr.dtype != object else arr.dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array of shape ({batch},), got dtype "
-                        f"{dtype}")
-    if int32_only and dtype != jnp.int32:
-        raise ValueError(f"{name} dtype should be int32, got {dtype}")
-    if arr.shape != (batch,):
-        raise ValueError(f"{name} must have shape (B,) = ({batch},), got {arr.shape}")
-    if isinstance(arr, np.ndarray):
-        return jnp.asarray(np.clip(arr, 0, full).astype(np.int32))
-    if arr.dtype != jnp.int32:
-        arr = jnp.clip(arr, 0, full).astype(jnp.int32)
-    return arr
-
-
-def _check_window(local_window_size):
-    """(left, right) from None, an int or a pair of non-negative ints; -1 = unbounded."""
-    if local_window_size is None:
-        return -1, -1
-    if _is_int(local_window_size):
-        pair = (local_window_size, local_window_size)
-    elif isinstance(local_window_size, (tuple, list)):
-        if len(local_window_size) != 2:
-            raise ValueError(f"local_window_size must be an int or a (left, right) pair, got "
-                             f"{local_window_size!r}")
-        pair = tuple(local_window_size)
-    else:
-        raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, "
-                        f"got {type(local_window_size).__name__} {local_window_size!r}")
-    if not all(_is_int(w) for w in pair):
-        raise TypeError(f"local_window_size must hold ints, got {local_window_size!r}")
-    left, right = (int(w) for w in pair)
-    if left < 0 or right < 0:
-        raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
-    return left, right
-
-
-def _check_soft_cap(logits_soft_cap):
-    """logits_soft_cap as a static float > 0, or 0.0 (off) for None."""
-    if logits_soft_cap is None:
-        return 0.0
-    what = f"{type(logits_soft_cap).__name__} {logits_soft_cap!r}"[:80]
-    if isinstance(logits_soft_cap, (str, bytes, bool, np.bool_)):
-        raise TypeError(f"logits_soft_cap must be None or a positive number, got {what}")
-    try:
-        value = np.asarray(logits_soft_cap)
-    except Exception as e:  # noqa: BLE001 - a traced value lands here
-        raise TypeError(f"logits_soft_cap must be a static Python number (the kernels take "
-                        f"it as an attribute), got {what}") from e
-    if value.ndim != 0 or not (np.issubdtype(value.dtype, np.floating)
-                               or np.issubdtype(value.dtype, np.integer)):
-        raise TypeError(f"logits_soft_cap must be None or a positive number, got {what}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"logits_soft_cap must be None or a finite number > 0, got {value}")
-    return value
-
-
-def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, len_q, len_kv, dims=("Lq", "Lk"),
-                       rank1_ok=False):
-    """(q ids int32 [B, Lq], kv ids int32 [B, Lk]) or (None, None); kv_segment_ids None
-    means the query's own (then Lq must equal Lk). `rank1_ok`: [L] stands for [1, L] (the
-    jax.nn entry's unbatched inputs)."""
-    if q_segment_ids is None:
-        if kv_segment_ids is not None:
-            raise ValueError("kv_segment_ids needs q_segment_ids (the ids of the queries)")
-        return None, None
-
-    def check(x, name, length, dim):
-        x = _as_array(x, name)
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an int32 array of shape [B, {dim}] = "
-                            f"[{batch}, {length}], got dtype {x.dtype}")
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{name} dtype should be int32, got {x.dtype}")
-        if rank1_ok and x.ndim == 1 and batch == 1:
-            x = x[None]
-        if x.shape != (batch, length):
-            raise ValueError(f"{name} must have shape [B, {dim}] = [{batch}, {length}], got "
-                             f"{x.shape}")
-        return x
-
-    q_ids = check(q_segment_ids, "q_segment_ids", len_q, dims[0])
-    if kv_segment_ids is None:
-        if len_q != len_kv:
-            raise ValueError(f"q_segment_ids alone stands for the keys' ids too, which needs "
-                             f"equal query and key lengths ({dims[0]} = {len_q}, "
-                             f"{dims[1]} = {len_kv}): pass kv_segment_ids")
-        return q_ids, q_ids
-    return q_ids, check(kv_segment_ids, "kv_segment_ids", len_kv, dims[1])
-
-
-def _check_bool(x, name):
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
-    return bool(x)
-
-
-def _check_implementation(implementation):
-    if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {dispatch.IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
-
-
-def _broadcast_mask(mask, name, full_shape):
-    """Left-pads a mask to rank 4 and checks each dim is 1 or the full size."""
-    if mask.ndim > 4:
-        raise ValueError(f"{name} must have rank <= 4, got shape {mask.shape}")
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    for got, want in zip(mask.shape, full_shape):
-        if got != 1 and got != want:
-            raise ValueError(f"{name} of shape {mask.shape} is not broadcastable to "
-                             f"[B, Hq, Lq, Lk] = {list(full_shape)}")
-    return mask
-
-
-def _canonical_mask_dtype(mask, name):
-    if mask.dtype == jnp.bool_:
-        return mask
-    if not jnp.issubdtype(mask.dtype, jnp.floating):
-        raise TypeError(f"{name} must be boolean (True = attend) or floating (additive), got "
-                        f"{mask.dtype}")
-    if mask.dtype == jnp.float64 and not jax.config.jax_enable_x64:
-        return mask.astype(jnp.float32)
-    return mask
-
 
 def trace_platform():
     """The platform a call traced now runs on (the default backend; a GPU is "cuda" or
@@ -304,12 +99,12 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
                       logits_soft_cap=None, local_window_size=None):
     """The MLX entry's validated, canonical arguments: (q, k, v, mask, sinks, q_lengths,
     kv_lengths, params, q_segment_ids, kv_segment_ids)."""
-    q, k, v = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
+    q, k, v = checks.as_array(q, "q"), checks.as_array(k, "k"), checks.as_array(v, "v")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 [B, H, L, D], got shape {x.shape}")
-        _check_float(x, name)
-    _check_implementation(implementation)
+        checks.check_float(x, name)
+    checks.check_implementation(implementation)
     b, hq, lq, d = q.shape
     _, hk, lk, _ = k.shape
     if not (k.shape[0] == b and v.shape[0] == b):
@@ -328,25 +123,25 @@ def _canonicalize_mlx(q, k, v, scale, mask, sinks, query_seq_lengths, key_value_
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
     # A band (window and/or causal) is aligned bottom-right, as MLX's causal mask.
-    window_left, window_right = _check_window(local_window_size)
+    window_left, window_right = checks.check_window(local_window_size)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an array, got the string {mask!r}")
         window_right, mask = (0 if window_right < 0 else min(window_right, 0)), None
     elif mask is not None:
-        mask = _canonical_mask_dtype(_as_array(mask, "mask"), "mask")
-        mask = _broadcast_mask(mask, "mask", (b, hq, lq, lk))
+        mask = checks.canonical_mask_dtype(checks.as_array(mask, "mask"), "mask")
+        mask = checks.broadcast_mask(mask, "mask", (b, hq, lq, lk))
 
-    sinks = _check_sinks(sinks, hq, "Hq", out_dtype=dtype)
+    sinks = checks.check_sinks(sinks, hq, "Hq", out_dtype=dtype)
 
-    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, lq)
-    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, lk)
-    q_ids, kv_ids = _check_segment_ids(q_segment_ids, kv_segment_ids, b, lq, lk)
-    scale = _check_scale(scale, d, "D")
+    q_lengths = checks.check_lengths(query_seq_lengths, "query_seq_lengths", b, lq)
+    kv_lengths = checks.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, lk)
+    q_ids, kv_ids = checks.check_segment_ids(q_segment_ids, kv_segment_ids, b, lq, lk)
+    scale = checks.check_scale(scale, d, "D")
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
                           bottom_right=window_left >= 0 or window_right >= 0, seq_major=False,
                           implementation=implementation,
-                          logits_soft_cap=_check_soft_cap(logits_soft_cap), lse_used=False)
+                          logits_soft_cap=checks.check_soft_cap(logits_soft_cap), lse_used=False)
     return q, k, v, mask, sinks, q_lengths, kv_lengths, params, q_ids, kv_ids
 
 
@@ -399,7 +194,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     `logits_soft_cap` (c > 0: logits become c * tanh(scale * q.k / c) before bias and mask)
     and the implementations of `scaled_dot_product_attention`. A query row that sees no key
     averages the values uniformly, as jax.nn's does for a fully masked row."""
-    query, key, value = (_as_array(x, n) for x, n in
+    query, key, value = (checks.as_array(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
     output_shape = query.shape
     if query.ndim not in (3, 4):
@@ -408,10 +203,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         if x.ndim != query.ndim:
             raise ValueError(f"{n} must have the same rank as query: query {query.shape}, "
                              f"{n} {x.shape}")
-    _check_implementation(implementation)
+    checks.check_implementation(implementation)
     query, key, value = _ensure_4d(query), _ensure_4d(key), _ensure_4d(value)
     for x, n in ((query, "query"), (key, "key"), (value, "value")):
-        _check_float(x, n)
+        checks.check_float(x, n)
     b, s, nk, h = key.shape
     _, t, n, _ = query.shape
     if value.shape[:3] != key.shape[:3]:
@@ -429,28 +224,28 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                          f"but got {n} vs {nk}")
     full = (b, n, t, s)
     if bias is not None:
-        bias = _ensure_4d(_as_array(bias, "bias"))
-        _check_float(bias, "bias")
-        bias = _broadcast_mask(_canonical_mask_dtype(bias, "bias"), "bias", full)
+        bias = _ensure_4d(checks.as_array(bias, "bias"))
+        checks.check_float(bias, "bias")
+        bias = checks.broadcast_mask(checks.canonical_mask_dtype(bias, "bias"), "bias", full)
     if mask is not None:
-        mask = _ensure_4d(_as_array(mask, "mask"))
+        mask = _ensure_4d(checks.as_array(mask, "mask"))
         if mask.dtype != jnp.bool_:
             raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
-        mask = _broadcast_mask(mask, "mask", full)
-    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", b, t, int32_only=True)
-    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s,
+        mask = checks.broadcast_mask(mask, "mask", full)
+    q_lengths = checks.check_lengths(query_seq_lengths, "query_seq_lengths", b, t, int32_only=True)
+    kv_lengths = checks.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s,
                                 int32_only=True)
-    window_left, window_right = _check_window(local_window_size)
-    if _check_bool(is_causal, "is_causal"):
+    window_left, window_right = checks.check_window(local_window_size)
+    if checks.check_bool(is_causal, "is_causal"):
         window_right = 0 if window_right < 0 else min(window_right, 0)
-    return_residual = _check_bool(return_residual, "return_residual")
-    sinks = _check_sinks(sinks, n, "N")
-    q_ids, kv_ids = _check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s, ("T", "S"),
+    return_residual = checks.check_bool(return_residual, "return_residual")
+    sinks = checks.check_sinks(sinks, n, "N")
+    q_ids, kv_ids = checks.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s, ("T", "S"),
                                        rank1_ok=output_shape != query.shape)
-    scale = _check_scale(scale, h, "H")
+    scale = checks.check_scale(scale, h, "H")
     params = StaticParams(scale=scale, window_left=window_left, window_right=window_right,
                           bottom_right=False, seq_major=True, implementation=implementation,
-                          logits_soft_cap=_check_soft_cap(logits_soft_cap))
+                          logits_soft_cap=checks.check_soft_cap(logits_soft_cap))
     has_mask = bias is not None or mask is not None or q_ids is not None
     empty_by_length_only = (kv_lengths is not None and not has_mask and sinks is None
                             and window_left < 0 and window_right < 0 and s > 0)

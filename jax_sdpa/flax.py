@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_sdpa import api
+from jax_sdpa import api, checks
 
 __all__ = ["attention_fn", "make_attention_fn", "segment_ids"]
 
@@ -323,10 +323,8 @@ def make_attention_fn(is_causal: bool = False, implementation: Optional[str] = N
       (Gemma 2).
     Segment ids (packed sequences) come from an enclosing `segment_ids` block.
     """
-    if implementation is not None and implementation not in api.dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of "
-                         f"{api.dispatch.IMPLEMENTATIONS}, got {implementation!r}")
-    logits_soft_cap = api._check_soft_cap(logits_soft_cap) or None
+    checks.check_implementation(implementation)
+    logits_soft_cap = checks.check_soft_cap(logits_soft_cap) or None
     configured_causal = bool(is_causal)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,

@@ -19,7 +19,7 @@ the writer drops writes that fall outside the row's pages or into such a page.
 One primitive, `sdpa_paged_fwd_p(q, k_pages, v_pages, page_indices, kv_lengths, sinks) ->
 (out, lse)`, lowered to a backend's FFI target `jax_sdpa_<backend>_paged_fwd` where its module
 registers one (docs/ffi_contract.md), else to the pure-JAX reference (a gather of the pages,
-then `reference.forward`). Forward only: asking for a gradient is an error.
+then `reference.exact_forward`). Forward only: asking for a gradient is an error.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_sdpa import api, dispatch, primitives, reference, sharding
+from jax_sdpa import api, checks, dispatch, primitives, reference, sharding
 from jax_sdpa.config import Config, StaticParams
 
 __all__ = ["paged_attention", "paged_kv_write", "explain", "KV_LAYOUTS"]
@@ -76,12 +76,12 @@ def _layout_text(kv_layout: int, dim="D") -> str:
 
 def _check_pages(k_pages, v_pages, kv_layout: int):
     """(k_pages, v_pages, PagedShape of k, value head dim), or a clear error."""
-    k_pages, v_pages = api._as_array(k_pages, "k_pages"), api._as_array(v_pages, "v_pages")
+    k_pages, v_pages = checks.as_array(k_pages, "k_pages"), checks.as_array(v_pages, "v_pages")
     for x, name, dim in ((k_pages, "k_pages", "D"), (v_pages, "v_pages", "Dv")):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 {_layout_text(kv_layout, dim)}, got "
                              f"shape {x.shape}")
-        api._check_float(x, name)
+        checks.check_float(x, name)
     ks, vs = PagedShape.of(k_pages.shape, kv_layout), PagedShape.of(v_pages.shape, kv_layout)
     if (ks.num_pages, ks.heads_kv, ks.page_size) != (vs.num_pages, vs.heads_kv, vs.page_size):
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must agree in "
@@ -93,7 +93,7 @@ def _check_pages(k_pages, v_pages, kv_layout: int):
 
 
 def _check_page_indices(page_indices, batch):
-    page_indices = api._as_array(page_indices, "page_indices")
+    page_indices = checks.as_array(page_indices, "page_indices")
     if not jnp.issubdtype(page_indices.dtype, jnp.integer):
         raise TypeError(f"page_indices must be an int32 array [B, pages_per_seq], got dtype "
                         f"{page_indices.dtype}")
@@ -147,11 +147,11 @@ def _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, si
     """paged_attention's validated, canonical arguments: (q, k_pages, v_pages,
     page_indices, kv_lengths, sinks, params, layout)."""
     layout = _check_kv_layout(kv_layout)
-    q = api._as_array(q, "q")
+    q = checks.as_array(q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must have rank 4 [B, Hq, Lq, D], got shape {q.shape}")
-    api._check_float(q, "q")
-    api._check_implementation(implementation)
+    checks.check_float(q, "q")
+    checks.check_implementation(implementation)
     k_pages, v_pages, ks, _ = _check_pages(k_pages, v_pages, layout)
     b, hq, _, d = q.shape
     if ks.head_dim != d:
@@ -164,7 +164,7 @@ def _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, si
     len_kv = page_indices.shape[1] * ks.page_size
     if kv_lengths is None:
         raise TypeError("kv_lengths must be an int32 array of shape (B,), got None")
-    kv_lengths = api._check_lengths(kv_lengths, "kv_lengths", b, len_kv, int32_only=True)
+    kv_lengths = checks.check_lengths(kv_lengths, "kv_lengths", b, len_kv, int32_only=True)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask must be None or 'causal', got the string {mask!r}")
@@ -173,14 +173,14 @@ def _canonicalize(q, k_pages, v_pages, page_indices, kv_lengths, scale, mask, si
                          f"kv_lengths), not an array (got {type(mask).__name__})")
     dtype = jnp.result_type(q, k_pages, v_pages)
     q, k_pages, v_pages = q.astype(dtype), k_pages.astype(dtype), v_pages.astype(dtype)
-    sinks = api._check_sinks(sinks, hq, "Hq", out_dtype=dtype)
-    window_left, window_right = api._check_window(local_window_size)
+    sinks = checks.check_sinks(sinks, hq, "Hq", out_dtype=dtype)
+    window_left, window_right = checks.check_window(local_window_size)
     if mask == "causal":
         window_right = 0 if window_right < 0 else min(window_right, 0)
-    params = StaticParams(scale=api._check_scale(scale, d, "D"), window_left=window_left,
+    params = StaticParams(scale=checks.check_scale(scale, d, "D"), window_left=window_left,
                           window_right=window_right, bottom_right=True, seq_major=False,
                           implementation=implementation,
-                          logits_soft_cap=api._check_soft_cap(logits_soft_cap))
+                          logits_soft_cap=checks.check_soft_cap(logits_soft_cap))
     return q, k_pages, v_pages, page_indices, kv_lengths, sinks, params, layout
 
 
@@ -232,7 +232,7 @@ def paged_kv_write(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new, *,
     (two writes to one slot: either wins)."""
     layout = _check_kv_layout(kv_layout)
     k_pages, v_pages, ks, dv = _check_pages(k_pages, v_pages, layout)
-    k_new, v_new = api._as_array(k_new, "k_new"), api._as_array(v_new, "v_new")
+    k_new, v_new = checks.as_array(k_new, "k_new"), checks.as_array(v_new, "v_new")
     for x, name, label, dim in ((k_new, "k_new", "D", ks.head_dim),
                                 (v_new, "v_new", "Dv", dv)):
         if x.ndim != 4 or x.shape[1] != ks.heads_kv or x.shape[3] != dim:
@@ -243,7 +243,7 @@ def paged_kv_write(k_pages, v_pages, page_indices, kv_lengths, k_new, v_new, *,
                          f"and Lnew")
     b, hk, lnew = k_new.shape[:3]
     page_indices = _check_page_indices(page_indices, b)
-    kv_lengths = api._as_array(kv_lengths, "kv_lengths")
+    kv_lengths = checks.as_array(kv_lengths, "kv_lengths")
     if not jnp.issubdtype(kv_lengths.dtype, jnp.integer) or kv_lengths.shape != (b,):
         raise ValueError(f"kv_lengths must be an int32 array of shape (B,) = ({b},), got "
                          f"{kv_lengths.dtype} {kv_lengths.shape}")
@@ -332,7 +332,7 @@ def reference_paged(q, k_pages, v_pages, page_indices, kv_lengths, sinks, *, par
 
     k, v = gather(k_pages), gather(v_pages)
     key_mask = jnp.repeat(valid, shape.page_size, axis=1)[:, None, None, :]  # [B,1,1,Lk]
-    fn = reference.chunked_forward if chunked else reference.forward
+    fn = reference.chunked_forward if chunked else reference.exact_forward
     return fn(q, k, v, key_mask, sinks, None, kv_lengths, None, None, params,
               probs_dtype=probs_dtype)
 
@@ -371,7 +371,7 @@ def paged_ffi_attrs(params: StaticParams, has_sinks: bool, kv_layout: int) -> di
     no mask, q lengths or segment ids, kv lengths present, bottom-right, head-major q."""
     flags = dict(has_mask=False, has_sinks=bool(has_sinks), has_q_lengths=False,
                  has_kv_lengths=True, has_segment_ids=False)
-    attrs = primitives._ffi_attrs(dataclasses.replace(params, bottom_right=True,
+    attrs = primitives.ffi_attrs(dataclasses.replace(params, bottom_right=True,
                                                       seq_major=False), flags)
     attrs["kv_layout"] = np.int64(kv_layout)
     return attrs

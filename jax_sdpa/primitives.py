@@ -105,7 +105,7 @@ def ffi_call_args(*, scale, window_left=-1, window_right=-1, bottom_right=False,
                           window_right=int(window_right), bottom_right=bool(bottom_right),
                           seq_major=bool(seq_major), fp32_precision=int(fp32_precision),
                           logits_soft_cap=float(logits_soft_cap))
-    return operands, _ffi_attrs(params, flags)
+    return operands, ffi_attrs(params, flags)
 
 
 def _split_kwargs(kw):
@@ -159,12 +159,12 @@ sdpa_bwd_p.def_abstract_eval(_bwd_abstract)
 # reference implementation (eager evaluation and the default lowering)
 
 def _reference_fwd(q, k, v, *optional, params, chunked, probs_dtype=None):
-    fn = reference.chunked_forward if chunked else reference.forward
+    fn = reference.chunked_forward if chunked else reference.exact_forward
     return fn(q, k, v, *optional, params, probs_dtype=probs_dtype)
 
 
 def _reference_bwd(q, k, v, out, lse, dout, *optional, params, chunked, probs_dtype=None):
-    fn = reference.chunked_backward if chunked else reference.backward
+    fn = reference.chunked_backward if chunked else reference.exact_backward
     return fn(q, k, v, out, lse, dout, *optional, params, probs_dtype=probs_dtype)
 
 
@@ -209,7 +209,7 @@ def _config_from_avals(avals, flags, params) -> Config:
         has_segment_ids=flags["has_segment_ids"])
 
 
-def _ffi_attrs(params: StaticParams, flags):
+def ffi_attrs(params: StaticParams, flags):
     """The FFI attributes of docs/ffi_contract.md (every handler binds all of them)."""
     return dict(scale=float(params.scale), window_left=int(params.window_left),
                 window_right=int(params.window_right), bottom_right=bool(params.bottom_right),
@@ -256,7 +256,7 @@ def _lower(direction, platform):
                                      fallback=fallback)
         if plan.segments_as_mask:
             return _lower_segments_as_mask(ctx, plan.target, n_fixed, args, flags, params)
-        attrs = _ffi_attrs(params, flags)
+        attrs = ffi_attrs(params, flags)
         if plan.workspace_bytes:
             return lower_with_workspace(ctx, plan.target, args, attrs, plan.workspace_bytes)
         return jax.ffi.ffi_lowering(plan.target)(ctx, *args, **attrs)
@@ -270,7 +270,7 @@ def _lower_segments_as_mask(ctx, target, n_fixed, args, flags, params):
     elsewhere; the call has no mask of its own), built in XLA next to the call."""
     ids_at = OPTIONAL.index("q_segment_ids")
     masked_flags = dict(flags, has_mask=True, has_segment_ids=False)
-    attrs = _ffi_attrs(params, masked_flags)
+    attrs = ffi_attrs(params, masked_flags)
     results = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out]
 
     def fn(*a):

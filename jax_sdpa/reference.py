@@ -1,9 +1,9 @@
-"""Pure-JAX attention: the fallback lowering of the primitives AND the test oracle.
+"""Pure-JAX attention: the `xla` and `xla_chunked` lowerings of the primitives.
 
 Two algorithms over the same canonical arguments (see docs/ffi_contract.md):
 
-- `forward` / `backward`: exact einsum softmax, materializing the [B, H, Lq, Lk]
-  scores (fast for small problems; in float64 it is the tests' oracle);
+- `exact_forward` / `exact_backward`: exact einsum softmax, materializing the
+  [B, H, Lq, Lk] scores (fast for small problems);
 - `chunked_forward` / `chunked_backward`: online softmax over blocks of keys,
   O(L) memory in the sequence length for long sequences.
 
@@ -223,7 +223,7 @@ def _segments(q_segment_ids, kv_segment_ids):
     return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
 
 
-def forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+def exact_forward(q, k, v, mask, sinks, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
             params: StaticParams, precision=None, probs_dtype=None):
     """Exact attention. Returns (out, lse). `probs_dtype`: the dtype P takes into its
     matmul (None: the accumulation dtype; `dispatch.xla_probs_dtype` decides)."""
@@ -266,7 +266,7 @@ def _forward_without_lse(s, v, b, hq, lq, out_dtype, params, precision, probs_dt
     scores (H200, B1 H16 L4096 D512 bf16: 1.75 ms with lse in any formulation, 1.35 without,
     benchmarks/results/h200/xla_hlo.txt). lse comes back NaN, as from the cuDNN forward
     without stats. The maximum is held above float32's lowest, so a row of -inf scores
-    (infinite inputs) gets 0, as in `forward`, and exponents are clamped at 0 (module doc)."""
+    (infinite inputs) gets 0, as in `exact_forward`, and exponents are clamped at 0 (module doc)."""
     acc = s.dtype
     m = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), jnp.finfo(acc).min)
     e = _exp_below(s - m)
@@ -299,10 +299,10 @@ def _probs_operand(x, probs_dtype):
     return x if probs_dtype is None else x.astype(probs_dtype)
 
 
-def backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
+def exact_backward(q, k, v, out, lse, dout, mask, sinks, q_lengths, kv_lengths, q_segment_ids,
              kv_segment_ids, params: StaticParams, precision=None, probs_dtype=None):
     """Exact gradients (dq, dk, dv) from the saved lse (never re-runs the forward);
-    `probs_dtype` as in `forward`, for P and dS."""
+    `probs_dtype` as in `exact_forward`, for P and dS."""
     q_segment_ids, kv_segment_ids = _segments(q_segment_ids, kv_segment_ids)
     del sinks  # enters only through lse
     q, k, v, out, dout = _backward_inputs(q, k, v, out, dout, q_lengths, kv_lengths, params)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_sdpa import dispatch, primitives
+from jax_sdpa import checks, dispatch, primitives
 from jax_sdpa.config import StaticParams
 
 __all__ = ["ring_attention", "to_zigzag", "from_zigzag", "zigzag_order"]
@@ -148,13 +148,12 @@ def ring_attention(q, k, v, *, axis_name, mask: Optional[str] = None,
         sinks = jnp.asarray(sinks)
         if sinks.shape != (hq,):
             raise ValueError(f"sinks must have shape (Hq,) = ({hq},), got {sinks.shape}")
-    from jax_sdpa import api  # the entry point's argument checks
 
-    segments = api._check_segment_ids(q_segment_ids, kv_segment_ids, b, lq, lk)
+    segments = checks.check_segment_ids(q_segment_ids, kv_segment_ids, b, lq, lk)
     scale = float(1.0 / math.sqrt(d) if scale is None else scale)
     params = StaticParams(scale=scale, window_left=-1, window_right=-1, bottom_right=False,
                           seq_major=False, implementation=implementation,
-                          logits_soft_cap=api._check_soft_cap(logits_soft_cap))
+                          logits_soft_cap=checks.check_soft_cap(logits_soft_cap))
     ring = _Ring(axis_name, causal, zigzag, params)
     if b == 0 or lq == 0:
         return jnp.zeros(q.shape[:3] + (v.shape[3],), dtype)

@@ -70,13 +70,13 @@ def _chunked(optional, flags, params, q, k, v) -> bool:
 def _reference_forward(q, k, v, *optional, flags, params):
     """The reference (out, lse) of a call's primitive operands (placeholders included)."""
     fn = (reference.chunked_forward if _chunked(optional, flags, params, q, k, v)
-          else reference.forward)
+          else reference.exact_forward)
     return fn(q, k, v, *primitives._real(optional, flags), params)
 
 
 def _reference_backward(q, k, v, out, lse, dout, *optional, flags, params):
     fn = (reference.chunked_backward if _chunked(optional, flags, params, q, k, v)
-          else reference.backward)
+          else reference.exact_backward)
     return fn(q, k, v, out, lse, dout, *primitives._real(optional, flags), params)
 
 

@@ -97,7 +97,7 @@ def test_equals_contiguous_attention(impl, case, rng):
 
 
 def _params(opts, d):
-    left, right = jax_sdpa.api._check_window(opts.get("local_window_size"))
+    left, right = jax_sdpa.checks.check_window(opts.get("local_window_size"))
     if opts.get("mask") == "causal":
         right = 0 if right < 0 else min(right, 0)
     return jax_sdpa.config.StaticParams(scale=1 / np.sqrt(d), window_left=left,

@@ -6,7 +6,7 @@ chooses between.
 
 Per shape: forward and forward+backward (all three gradients) of implementation=None,
 "cuda" and "xla" and jax.nn's xla; the backward alone as our XLA backward with float32
-P / dS matmul operands (reference.backward) and with them rounded to the input dtype (what
+P / dS matmul operands (reference.exact_backward) and with them rounded to the input dtype (what
 cuDNN, our flash kernels and jax.nn's autodiff feed their tensor cores).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from bench_gpu import flops, measure, versions  # noqa: E402
 
 
 def rounded_operand_backward(q, k, v, out, lse, dout, params):
-    """reference.backward with P and dS rounded to the input dtype before their matmuls."""
+    """reference.exact_backward with P and dS rounded to the input dtype before their matmuls."""
     acc = jnp.float32
     p, _, ds = reference._probs_and_dscores(q, k, v, out, lse, dout, None, None, None, None,
                                             None, params, None, acc)
@@ -78,9 +78,9 @@ def main():
         # backward alone, from the reference's out / lse, [B, H, L, D]
         params = StaticParams(scale=d ** -0.5, window_right=0 if causal else -1)
         qh, kh, vh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, do))
-        out, lse = jax.jit(lambda q, k, v: reference.forward(
+        out, lse = jax.jit(lambda q, k, v: reference.exact_forward(
             q, k, v, None, None, None, None, None, None, params))(qh, kh, vh)
-        f32_bwd = lambda q, k, v: reference.backward(  # noqa: E731
+        f32_bwd = lambda q, k, v: reference.exact_backward(  # noqa: E731
             q, k, v, out, lse, doh, None, None, None, None, None, None, params)
         put("xla bwd alone, float32 P/dS operands", f32_bwd, (qh, kh, vh), False, 2.5 * f_fwd)
         low_bwd = lambda q, k, v: rounded_operand_backward(q, k, v, out, lse, doh, params)  # noqa
