@@ -160,6 +160,15 @@ ROWS = {
         "forward where cuDNN led, by 3%)",
         "benchmarks/results/h200/peers_flash_attn3_short.json, "
         "benchmarks/results/h200/peers_flash_attn3.json"),
+    "FLASH_ATTN3_UNBANDED_FWD_MIN_KV": Row(
+        1024,
+        "... except a forward with no band (not causal, no window) over fewer keys than this, "
+        "where cuDNN leads or ties: B16 H16 L512 D128 forward 74.9 us for jax.nn's cuDNN call "
+        "against 81.6 for flash-attn3-jax's own (one H100), our cuDNN graph 443 TFLOP/s against "
+        "429 for FlashAttention-3 through us (H200), 425-434 against 431 (another H100); from "
+        "B4 H32 L4096 FlashAttention-3 leads (1830 vs 1892 us for jax.nn's cuDNN, H100)",
+        "benchmarks/results/h100/peers.json, benchmarks/results/h100/peers_short.json, "
+        "benchmarks/results/h200/peers_flash_attn3_short.json"),
     "FLASH_ATTN3_PACKED": Row(
         {"prefer": True, "max_sequences_per_row": 64},
         "16-bit D128 packed self-attention (segment ids, Lq = Lk) where flash-attn3-jax "
@@ -189,4 +198,5 @@ XLA_WIDE_FWD_UNBANDED = ROWS["XLA_WIDE_FWD_UNBANDED"].value
 XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value
 CUDA_PAGED_FLASH_FOR_NONE = ROWS["CUDA_PAGED_FLASH_FOR_NONE"].value
 FLASH_ATTN3_FIRST = ROWS["FLASH_ATTN3_FIRST"].value
+FLASH_ATTN3_UNBANDED_FWD_MIN_KV = ROWS["FLASH_ATTN3_UNBANDED_FWD_MIN_KV"].value
 FLASH_ATTN3_PACKED = ROWS["FLASH_ATTN3_PACKED"].value
