@@ -124,14 +124,14 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       if (bf16) {
         gemm_bf16(jn, np, pair_words(D), Kpc + (j0 - k0) * pair_words(D), pair_words(D), 1, Qp,
                   np, St, np, false);
-        scale_and_mask(p, t, j0, jn, St, seg, dcap);
+        scale_and_mask(p, t, j0, jn, St, t.np, seg, dcap);
         gemm_bf16(jn, np, pair_words(Dv), Vpc + (j0 - k0) * pair_words(Dv), pair_words(Dv), 1,
                   dOp, np, dPt, np, false);
       } else
 #endif
       {
         gemm(jn, np, D, kb, Dp, 1, Qt, np, St, np, false);  // S^T
-        scale_and_mask(p, t, j0, jn, St, seg, dcap);
+        scale_and_mask(p, t, j0, jn, St, t.np, seg, dcap);
         gemm(jn, np, Dv, vb, Dvp, 1, dOt, np, dPt, np, false);  // dP^T = V · dO^T
       }
       for (int64_t j = 0; j < jn; ++j)

@@ -163,14 +163,15 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   }
 }
 
-// Folds keys [j0, j0 + jn) into the tile's softmax state. Narrow tiles need the task's St
-// zeroed once (its padding columns stay finite) and sc.zero_row = 0.
+// Folds keys [j0, j0 + jn) into the tile's softmax state. St is [keys][np] (narrow tiles:
+// dense [keys][np2], narrow_softmax); narrow tiles need sc.zero_row = 0.
 void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_t j0,
                 int64_t jn) {
   const SdpaParams& p = *ctx.p;
   const SdpaFwdBuffers& buf = *ctx.buf;
   const Tile& t = st.t;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v, np = t.np;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const int64_t np = st.narrow ? st.np2 : t.np;  // St's row stride
   float* St = sc.St;
   const SegCover seg = seg_cover(ctx.segs, t.b, j0, jn, t.qlo, t.qhi);
   if (seg == SegCover::kNone) return;  // no query of the tile meets a key of the block
@@ -234,12 +235,25 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
     gemm(jn, np, D, sc.Kf, D, 1, sc.Qt, np, St, np, false);
   }
-  scale_and_mask(p, t, j0, jn, St, seg, nullptr);
+  scale_and_mask(p, t, j0, jn, St, np, seg, nullptr);
   if (hidden_runs)
     for (int64_t r = 0; r < nruns; ++r)
       if (runs[r].k < 0)
         for (int64_t x = runs[r].j * np; x < (runs[r].j + runs[r].n) * np; ++x) St[x] = -INFINITY;
   float *m = st.m, *l = st.l, *alpha = st.alpha;
+  if (st.narrow) {  // O = alpha * O + P · V
+    narrow_softmax(St, jn, st.np2, m, l, alpha);
+#if defined(__AVX512BF16__)
+    if (st.bf16_pairs) {
+      pack_p_pairs_dense(St, jn, st.np2, sc.Pp);
+      narrow_values_bf16_np2(st.np2, Dv, sc.vr, jn, sc.Pp, np, alpha, st.Or, Dv,
+                             reinterpret_cast<const uint16_t*>(sc.zero_row));
+      return;
+    }
+#endif
+    narrow_values_any(p.dtype == DType::kBF16, st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
+    return;
+  }
   // Block maxima, key by key in order for each query; all of the tile's vectors in one pass
   // (one vector at a time would wait on each max's latency).
   vf bmax[kBq / W];
@@ -261,18 +275,6 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     storev(l + c0, loadv(l + c0) * al + sum);
     storev(m + c0, mn);
     storev(alpha + c0, al);
-  }
-  if (st.narrow) {  // O = alpha * O + P · V
-#if defined(__AVX512BF16__)
-    if (st.bf16_pairs) {
-      pack_p_pairs(St, jn, np, sc.Pp);
-      narrow_values_bf16_np2(st.np2, Dv, sc.vr, jn, sc.Pp, np, alpha, st.Or, Dv,
-                             reinterpret_cast<const uint16_t*>(sc.zero_row));
-      return;
-    }
-#endif
-    narrow_values_any(p.dtype == DType::kBF16, st.np2, Dv, sc.vr, jn, St, np, alpha, st.Or, Dv);
-    return;
   }
   float* Ot = st.Ot;
   for (int64_t d = 0; d < Dv; ++d)
@@ -380,7 +382,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   }
   if (narrow) {
     memset(sc.zero_row, 0, max64(D, Dv) * sizeof(float));
-    memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));
+    memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));  // the scale reads whole vectors
   }
   for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
     for (int64_t h = 0; h < nh; ++h) {

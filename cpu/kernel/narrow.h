@@ -54,6 +54,75 @@ __attribute__((always_inline)) inline vf transpose_sum(vf* v) {
   return s[0];
 }
 
+// Lane x of the result: v's lane x ^ H.
+template <int H>
+__attribute__((always_inline)) inline vf xor_lanes(vf v) {
+#if defined(__clang__)
+  vf r;
+  for (int x = 0; x < W; ++x) r[x] = v[x ^ H];
+  return r;
+#else
+  vi idx;
+  for (int x = 0; x < W; ++x) idx[x] = x ^ H;
+  return __builtin_shuffle(v, idx);
+#endif
+}
+// Lane x of the result: the max (Max) or the sum of v's lanes congruent to x mod ns, a power
+// of two <= W.
+template <bool Max>
+__attribute__((always_inline)) inline vf reduce_lane_groups(vf v, int ns) {
+  auto step = [](vf a, vf b) { return Max ? vmax(a, b) : a + b; };
+  if constexpr (W > 1) if (ns <= 1) v = step(v, xor_lanes<1>(v));
+  if constexpr (W > 2) if (ns <= 2) v = step(v, xor_lanes<2>(v));
+  if constexpr (W > 4) if (ns <= 4) v = step(v, xor_lanes<4>(v));
+  if constexpr (W > 8) if (ns <= 8) v = step(v, xor_lanes<8>(v));
+  return v;
+}
+
+// A narrow tile's scores are dense, St[j][c] for c < ns = np2 (W / ns keys a vector), so the
+// softmax's exp runs on live lanes only: on the tile-wide layout it ran one vector a key for
+// the 4 rows of a GQA-4 group, a quarter of bf16 decode's time.
+// Keys from jn up to a whole pair of vectors (narrow_dense_end) are set to -inf here, so that
+// their P is 0 (the bf16 values pass reads keys in pairs).
+inline int64_t narrow_dense_end(int64_t jn, int ns) { return round_up(jn * ns, 2 * W); }
+
+// The online softmax step of a narrow tile: St = P = exp(S - new max), and the ns rows' max m,
+// sum l and the rescale alpha of their O.
+void narrow_softmax(float* St, int64_t jn, int ns, float* m, float* l, float* alpha) {
+  const int64_t end = narrow_dense_end(jn, ns);
+  for (int64_t x = jn * ns; x < end; ++x) St[x] = -INFINITY;
+  vf mx0 = splat(-INFINITY), mx1 = splat(-INFINITY);  // two chains: max has a latency
+  for (int64_t x = 0; x < end; x += 2 * W) {
+    mx0 = vmax(mx0, loadv(St + x));
+    mx1 = vmax(mx1, loadv(St + x + W));
+  }
+  const vf mx = reduce_lane_groups<true>(vmax(mx0, mx1), ns);
+  float lanes[W];
+  for (int x = 0; x < W; ++x) lanes[x] = m[x % ns];
+  const vf mo = loadv(lanes);
+  const vf mn = vmax(mo, mx);
+  const vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
+  const vf al = vexp(mo - mu);
+  vf s0 = vf{}, s1 = vf{};
+  for (int64_t x = 0; x < end; x += 2 * W) {
+    const vf e0 = vexp(loadv(St + x) - mu), e1 = vexp(loadv(St + x + W) - mu);
+    storev(St + x, e0);
+    storev(St + x + W, e1);
+    s0 += e0;
+    s1 += e1;
+  }
+  const vf sum = reduce_lane_groups<false>(s0 + s1, ns);
+  float mns[W], als[W], sums[W];
+  storev(mns, mn);
+  storev(als, al);
+  storev(sums, sum);
+  for (int c = 0; c < ns; ++c) {
+    l[c] = l[c] * als[c] + sums[c];
+    m[c] = mns[c];
+    alpha[c] = als[c];
+  }
+}
+
 // St[j][c] = K row j · Q row c for j < jn, c < NP2 (columns NP2.. of St are left alone);
 // kr[j] null: a hidden key, its row is 0 here.
 // Software prefetch for decode, which reads every K and V row once: K rows kAheadRows ahead
@@ -402,6 +471,24 @@ void narrow_values_bf16_np2(int np2, int64_t Dv, const void* const* vr, int64_t 
     case 2: return narrow_values_bf16_all<2>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
     case 4: return narrow_values_bf16_all<4>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
     default: return narrow_values_bf16_all<8>(Dv, vr, jn, Pp, np, alpha, Or, ldo, zero);
+  }
+}
+
+// Pp[q][c] = the bf16 pair (P[2q][c], P[2q + 1][c]) of dense P [keys][ns], rounded to
+// nearest even, up to narrow_dense_end (past jn, narrow_softmax left P = 0).
+void pack_p_pairs_dense(const float* P, int64_t jn, int ns, uint32_t* Pp) {
+  alignas(64) int16_t words[2 * W];  // word 2k / 2k + 1 of the output: keys 2q / 2q + 1, row c
+  for (int k = 0; k < W; ++k) {
+    const int q = k / ns, c = k % ns;
+    words[2 * k] = (int16_t)(2 * q * ns + c);
+    words[2 * k + 1] = (int16_t)((2 * q + 1) * ns + c);
+  }
+  const __m512i lanes = _mm512_load_si512(words);
+  const int64_t end = narrow_dense_end(jn, ns);
+  for (int64_t x = 0; x < end; x += 2 * W) {
+    const __m512i ab =  // P[x .. x + W) in words 0..15, the next W above
+        (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(P + x + W), _mm512_loadu_ps(P + x));
+    _mm512_storeu_si512(Pp + x / 2, _mm512_permutexvar_epi16(lanes, ab));
   }
 }
 

@@ -139,13 +139,13 @@ void setup_tile(const SdpaParams& p, Tile* t) {
   if (t->KL == 0) t->KF = 0;
 }
 
-// St[jn x np] holds q·k for keys j0.. of the tile; applies scale, the soft cap, the mask,
+// St[jn x np] (np: the tile's np, or a narrow tile's np2) holds q·k for keys j0.. of the tile;
+// applies scale, the soft cap, the mask,
 // the band and (seg == kPartial) the segment ids (-inf = invisible). Padding columns
 // (c >= n) are left alone where masks apply. With a soft cap, dcap (when given) receives
 // its derivative 1 - tanh^2 per score (backward).
 void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St,
-                    SegCover seg, float* dcap) {
-  const int64_t np = t.np;
+                    int64_t np, SegCover seg, float* dcap) {
   if (p.logits_soft_cap > 0) {
     const vf pre = splat((float)(p.scale / p.logits_soft_cap));
     const vf cap = splat((float)p.logits_soft_cap);
@@ -184,7 +184,12 @@ void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, 
       for (int64_t j = hi; j < jn; ++j) St[j * np + c] = -INFINITY;
     }
   }
-  if (seg == SegCover::kPartial) {  // selected, not added: a NaN score of another segment goes
+  if (seg == SegCover::kPartial && np % W != 0) {  // dense narrow scores, as below
+    const int32_t* kv = p.kv_segment_ids + t.b * p.len_kv + j0;
+    for (int64_t j = 0; j < jn; ++j)
+      for (int64_t c = 0; c < np; ++c)
+        if (t.qseg[c] != kv[j]) St[j * np + c] = -INFINITY;
+  } else if (seg == SegCover::kPartial) {  // selected, not added: a NaN score of another segment goes
     const int32_t* kv = p.kv_segment_ids + t.b * p.len_kv + j0;
     const vf hidden = splat(-INFINITY);
     for (int64_t j = 0; j < jn; ++j) {
