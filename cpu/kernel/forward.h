@@ -79,13 +79,14 @@ struct BlockScratch {
   float *Qt, *St, *Ot, *Kf, *Vf, *zero_row, *tmp;
   const void** kr;  // narrow tiles: each key's K / V row (float32 or bf16 in place, or
   const void** vr;  // converted float32 in Kf / Vf; null: hidden)
-  const char** next_k;  // narrow tiles: the K rows of the next block (NextRows)
+  const char** next_k;  // narrow tiles: the K and V rows of the next block (NextRows)
+  const char** next_v;
   uint32_t *Qp, *Kp, *Vp, *Pp;  // bf16 pairs (bf16_products)
 };
 inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
 size_t block_scratch_bytes(int64_t D, int64_t Dv) {
   return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(max64(D, Dv)) +
-         3 * (size_t)round_up(kBk * 8, 64) +
+         4 * (size_t)round_up(kBk * 8, 64) +
          floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
          floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv)) +
          floats_bytes(pair_words(D) * kBq) + floats_bytes(kBk * pair_words(D)) +
@@ -104,6 +105,7 @@ BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   sc.kr = reinterpret_cast<const void**>(cv.ints(kBk));
   sc.vr = reinterpret_cast<const void**>(cv.ints(kBk));
   sc.next_k = reinterpret_cast<const char**>(cv.ints(kBk));
+  sc.next_v = reinterpret_cast<const char**>(cv.ints(kBk));
   sc.Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
   sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBk * pair_words(D)));
   sc.Vp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * Dv));
@@ -205,11 +207,12 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
 #if defined(__AVX512BF16__)
     if (st.bf16_pairs)
       narrow_scores_bf16_np2(st.np2, D, sc.kr, jn, st.Qb, narrow_pair_words(D), sc.zero_row,
-                             St, np, NextRows{sc.next_k, D * item}, sc.vr, Dv * item);
+                             St, np, NextRows{sc.next_k, D * item, sc.next_v, Dv * item});
     else
 #endif
       narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
-                        NextRows{sc.next_k, D * item}, in_place ? sc.vr : nullptr, Dv * item);
+                        NextRows{sc.next_k, D * item, in_place ? sc.next_v : nullptr,
+                                 Dv * item});
   } else if (f32) {
     const float* kp = static_cast<const float*>(buf.k);
     for (int64_t r = 0; r < nruns; ++r) {
@@ -335,20 +338,23 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
   }
 }
 
-// sc.next_k: the K rows of keys [j1, j1 + kBk) of the tile's kv head (null past its keys or
-// where hidden).
+// sc.next_k / next_v: the K / V rows of keys [j1, j1 + kBk) of the tile's kv head (null
+// past its keys or where hidden).
 void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, const BlockScratch& sc) {
   const SdpaParams& p = *ctx.p;
   const char* kp = static_cast<const char*>(ctx.buf->k);
+  const char* vp = static_cast<const char*>(ctx.buf->v);
   const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
-  for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = nullptr;
+  for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = sc.next_v[j] = nullptr;
   if (j1 >= st.kb) return;
   KeyRun runs[kBk];
   const int64_t nruns = key_runs(p, st.t.b, st.t.hk, j1, min64(kBk, st.kb - j1), runs);
   for (int64_t r = 0; r < nruns; ++r)
     if (runs[r].k >= 0)
-      for (int64_t j = 0; j < runs[r].n; ++j)
+      for (int64_t j = 0; j < runs[r].n; ++j) {
         sc.next_k[runs[r].j + j] = kp + (runs[r].k + j * p.k_stride[2]) * item;
+        sc.next_v[runs[r].j + j] = vp + (runs[r].v + j * p.v_stride[2]) * item;
+      }
 }
 
 // A task is one key share of a group of tiles: the same rows of group_heads consecutive kv

@@ -126,13 +126,18 @@ void narrow_softmax(float* St, int64_t jn, int ns, float* m, float* l, float* al
 // St[j][c] = K row j · Q row c for j < jn, c < NP2 (columns NP2.. of St are left alone);
 // kr[j] null: a hidden key, its row is 0 here.
 // Software prefetch for decode, which reads every K and V row once: K rows kAheadRows ahead
-// of the scores' loads, past the block's end into the next block's rows (next: kBk
-// pointers, null for none or hidden, of kbytes each), and each V row into L2 as its K row is
-// scored, for the values pass. The scores read KJ rows interleaved, which the hardware
-// prefetcher does not follow from memory (half the bandwidth without this).
+// of the scores' loads, past the block's end into the next block's rows, and the next
+// block's V rows into L2 as the same rows of this block are scored (next: kBk pointers each,
+// null for none or hidden). The scores read KJ rows interleaved, which the hardware
+// prefetcher does not follow from memory (half the bandwidth without this); V a block ahead
+// rather than this block's own (fetched only a scores pass before the values pass read them):
+// B8 H32/KV8 D128 Lk4096 bf16 5.40 -> 5.14 ms, B1 Lk32768 f32 9.0-10.3 -> 8.2-9.9 ms (kernel
+// harness, two threads).
 struct NextRows {
   const char* const* k;
   int64_t kbytes;
+  const char* const* v;  // null: no V prefetch (rows converted into scratch)
+  int64_t vbytes;
 };
 __attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t bytes,
                                                      bool to_l1) {
@@ -144,14 +149,13 @@ __attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t
 }
 
 // The prefetches of the scores' group of KJ keys from j0: the K rows kAheadRows ahead (of
-// kbytes each; past the block's end, the next block's rows) and the group's own V rows.
-// Always inlined: GCC takes a call whose only effects are prefetches for a call without
-// effects and drops it.
+// kbytes each; past the block's end, the next block's rows) and the next block's V rows of
+// the group's indices. Always inlined: GCC takes a call whose only effects are prefetches for
+// a call without effects and drops it.
 template <int KJ>
 __attribute__((always_inline)) inline void prefetch_ahead(const void* const* kr, int64_t jn,
                                                          int64_t j0, int64_t kbytes,
-                                                         const NextRows& nx,
-                                                         const void* const* vr, int64_t vbytes) {
+                                                         const NextRows& nx) {
   for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
     if (i < jn) {
       if (kr[i]) prefetch_row(kr[i], kbytes, false);
@@ -159,17 +163,15 @@ __attribute__((always_inline)) inline void prefetch_ahead(const void* const* kr,
       prefetch_row(nx.k[i - jn], nx.kbytes, false);
     }
   }
-  if (vr)
-    for (int64_t u = j0; u < min64(jn, j0 + KJ); ++u)
-      if (vr[u]) prefetch_row(vr[u], vbytes, false);
+  if (nx.v)
+    for (int64_t u = j0; u < min64(kBk, j0 + KJ); ++u)
+      if (nx.v[u]) prefetch_row(nx.v[u], nx.vbytes, false);
 }
 
 // T: the rows' element type (float, or uint16_t for bfloat16 bits read in place).
-// vr: V rows to prefetch into L2 (null: none).
 template <int NP2, typename T>
 void narrow_scores(int64_t D, const void* const* kr, int64_t jn, const float* Qr, int64_t Dp,
-                   const float* zero_row, float* St, int64_t np, const NextRows& nx,
-                   const void* const* vr, int64_t vbytes) {
+                   const float* zero_row, float* St, int64_t np, const NextRows& nx) {
   constexpr int KJ = W / NP2;
   const T* zero = reinterpret_cast<const T*>(zero_row);  // all-zero bits: 0 in either type
   for (int64_t j0 = 0; j0 < jn; j0 += KJ) {
@@ -177,7 +179,7 @@ void narrow_scores(int64_t D, const void* const* kr, int64_t jn, const float* Qr
 #pragma GCC unroll 16
     for (int u = 0; u < KJ; ++u)
       rows[u] = (j0 + u < jn && kr[j0 + u]) ? static_cast<const T*>(kr[j0 + u]) : zero;
-    prefetch_ahead<KJ>(kr, jn, j0, D * (int64_t)sizeof(T), nx, vr, vbytes);
+    prefetch_ahead<KJ>(kr, jn, j0, D * (int64_t)sizeof(T), nx);
     vf acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = vf{};
@@ -268,20 +270,20 @@ int np2_for(int64_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
 template <typename T>
 void narrow_scores_np2(int np2, int64_t D, const void* const* kr, int64_t jn, const float* Qr,
                        int64_t Dp, const float* zero_row, float* St, int64_t np,
-                       const NextRows& nx, const void* const* vr, int64_t vbytes) {
+                       const NextRows& nx) {
   switch (np2) {
-    case 1: return narrow_scores<1, T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-    case 2: return narrow_scores<2, T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-    case 4: return narrow_scores<(W >= 4 ? 4 : 1), T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-    default: return narrow_scores<(W >= 8 ? 8 : 1), T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+    case 1: return narrow_scores<1, T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx);
+    case 2: return narrow_scores<2, T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx);
+    case 4: return narrow_scores<(W >= 4 ? 4 : 1), T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx);
+    default: return narrow_scores<(W >= 8 ? 8 : 1), T>(D, kr, jn, Qr, Dp, zero_row, St, np, nx);
   }
 }
 // bf16: the rows are bfloat16 bits read in place, else float32.
 void narrow_scores_any(bool bf16, int np2, int64_t D, const void* const* kr, int64_t jn,
                        const float* Qr, int64_t Dp, const float* zero_row, float* St,
-                       int64_t np, const NextRows& nx, const void* const* vr, int64_t vbytes) {
-  if (bf16) return narrow_scores_np2<uint16_t>(np2, D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
-  narrow_scores_np2<float>(np2, D, kr, jn, Qr, Dp, zero_row, St, np, nx, vr, vbytes);
+                       int64_t np, const NextRows& nx) {
+  if (bf16) return narrow_scores_np2<uint16_t>(np2, D, kr, jn, Qr, Dp, zero_row, St, np, nx);
+  narrow_scores_np2<float>(np2, D, kr, jn, Qr, Dp, zero_row, St, np, nx);
 }
 template <typename T>
 void narrow_values_np2(int np2, int64_t Dv, const void* const* vr, int64_t jn, const float* P,
@@ -313,7 +315,7 @@ constexpr int64_t kBf16Vec = 2 * W;  // bf16 elements in a vector
 template <int NP2>
 void narrow_scores_bf16(int64_t D, const void* const* kr, int64_t jn, const uint32_t* Qb,
                         int64_t ldq, const float* zero_row, float* St, int64_t np,
-                        const NextRows& nx, const void* const* vr, int64_t vbytes) {
+                        const NextRows& nx) {
   constexpr int KJ = W / NP2;
   const uint16_t* zero = reinterpret_cast<const uint16_t*>(zero_row);
   const int64_t full = D / kBf16Vec * kBf16Vec;
@@ -323,7 +325,7 @@ void narrow_scores_bf16(int64_t D, const void* const* kr, int64_t jn, const uint
 #pragma GCC unroll 16
     for (int u = 0; u < KJ; ++u)
       rows[u] = (j0 + u < jn && kr[j0 + u]) ? static_cast<const uint16_t*>(kr[j0 + u]) : zero;
-    prefetch_ahead<KJ>(kr, jn, j0, D * 2, nx, vr, vbytes);
+    prefetch_ahead<KJ>(kr, jn, j0, D * 2, nx);
     __m512 acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = _mm512_setzero_ps();
@@ -454,13 +456,12 @@ void narrow_values_bf16_all(int64_t Dv, const void* const* vr, int64_t jn, const
 
 void narrow_scores_bf16_np2(int np2, int64_t D, const void* const* kr, int64_t jn,
                             const uint32_t* Qb, int64_t ldq, const float* zero_row, float* St,
-                            int64_t np, const NextRows& nx, const void* const* vr,
-                            int64_t vbytes) {
+                            int64_t np, const NextRows& nx) {
   switch (np2) {
-    case 1: return narrow_scores_bf16<1>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
-    case 2: return narrow_scores_bf16<2>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
-    case 4: return narrow_scores_bf16<4>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
-    default: return narrow_scores_bf16<8>(D, kr, jn, Qb, ldq, zero_row, St, np, nx, vr, vbytes);
+    case 1: return narrow_scores_bf16<1>(D, kr, jn, Qb, ldq, zero_row, St, np, nx);
+    case 2: return narrow_scores_bf16<2>(D, kr, jn, Qb, ldq, zero_row, St, np, nx);
+    case 4: return narrow_scores_bf16<4>(D, kr, jn, Qb, ldq, zero_row, St, np, nx);
+    default: return narrow_scores_bf16<8>(D, kr, jn, Qb, ldq, zero_row, St, np, nx);
   }
 }
 void narrow_values_bf16_np2(int np2, int64_t Dv, const void* const* vr, int64_t jn,
