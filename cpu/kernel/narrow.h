@@ -430,7 +430,7 @@ void narrow_values_bf16_rows(int64_t d0, const void* const* vr, int64_t jn, cons
 
 // O rows += P . V, every row in each pass and as many chunks as kValueAccs accumulators
 // allow (two a chunk and row): each V element is loaded and interleaved once. The passes
-// read parts of each V row, which the scores pass has already prefetched into L2; taking
+// read parts of each V row, which the previous block's scores pass prefetched into L2; taking
 // fewer rows a pass over whole rows instead (the float32 kernel's order) re-interleaved
 // every V row once per pass (B1 H32/KV8 D128 Lk2048, one thread from L3: 0.47 -> 0.42 ms).
 template <int NP2>
