@@ -571,16 +571,13 @@ def _wide_forward_in_xla(cfg: Config, direction: str) -> bool:
 
 def _flash_attn3_preferred(cfg: Config, direction: str) -> bool:
     """Whether `implementation=None` tries FlashAttention-3 before cuDNN (where it serves):
-    prefill, in the directions and bands of the row FLASH_ATTN3_FIRST of jax_sdpa/tuning.py
-    but for the short unbanded forwards of FLASH_ATTN3_UNBANDED_FWD_MIN_KV (the backward
-    takes out and lse from whichever forward ran)."""
+    prefill, in the directions and bands of the row FLASH_ATTN3_FIRST of jax_sdpa/tuning.py,
+    from its key count (the backward takes out and lse from whichever forward ran)."""
     if cfg.has_segment_ids and not tuning.FLASH_ATTN3_PACKED["prefer"]:
         return False
     band = "causal" if cfg.params.window_right == 0 else "none"
-    if (band == "none" and direction == "fwd"
-            and cfg.len_kv < tuning.FLASH_ATTN3_UNBANDED_FWD_MIN_KV):
-        return False
-    return not cfg.is_decode and band in tuning.FLASH_ATTN3_FIRST.get(direction, ())
+    min_keys = tuning.FLASH_ATTN3_FIRST.get(direction, {}).get(band)
+    return not cfg.is_decode and min_keys is not None and cfg.len_kv >= min_keys
 
 
 def _preference(call: "_Call"):

@@ -150,25 +150,21 @@ ROWS = {
         "10.2 GiB of temporaries); above it xla",
         "benchmarks/results/h200/flash.json"),
     "FLASH_ATTN3_FIRST": Row(
-        {"fwd": ("causal", "none"), "bwd": ("causal", "none")},
+        {"fwd": {"causal": 0, "none": 1024}, "bwd": {"causal": 0, "none": 0}},
         "16-bit D128 prefill in the [B, L, H, D] layout that flash-attn3-jax serves: "
-        "FlashAttention-3 before cuDNN in these directions and bands (causal / none). "
-        "TFLOP/s fwd / fwd+bwd, FlashAttention-3 through us vs our cuDNN graph: B4 H32 L4096 "
-        "596 / 572 vs 589 / 533, causal 545 / 525 vs 517 / 478, B1 H16 L16384 causal "
-        "579 / 581 vs 546 / 527, B2 H32/KV8 L8192 causal 574 / 550 vs 541 / 500, B8 H16 "
-        "L1024 causal 379 / 348 vs 353 / 311, B16 H16 L512 429 / 357 vs 443 / 348 (the one "
-        "forward where cuDNN led, by 3%)",
+        "FlashAttention-3 before cuDNN in these directions and bands (causal / none) from "
+        "this many keys. TFLOP/s fwd / fwd+bwd, FlashAttention-3 through us vs our cuDNN "
+        "graph (H200): B4 H32 L4096 596 / 572 vs 589 / 533, causal 545 / 525 vs 517 / 478, "
+        "B1 H16 L16384 causal 579 / 581 vs 546 / 527, B2 H32/KV8 L8192 causal 574 / 550 vs "
+        "541 / 500, B8 H16 L1024 causal 379 / 348 vs 353 / 311, B16 H16 L512 429 / 357 vs "
+        "443 / 348. The forward with no band under 1024 keys stays with cuDNN, which leads or "
+        "ties there: B16 H16 L512 forward 74.9 us for jax.nn's cuDNN call against 81.6 for "
+        "flash-attn3-jax's own (one H100), 443 against 429 TFLOP/s (H200), our cuDNN graph "
+        "425-434 against 431 for FlashAttention-3 through us (another H100); from B4 H32 "
+        "L4096 FlashAttention-3 leads (1830 vs 1892 us for jax.nn's cuDNN, H100)",
         "benchmarks/results/h200/peers_flash_attn3_short.json, "
-        "benchmarks/results/h200/peers_flash_attn3.json"),
-    "FLASH_ATTN3_UNBANDED_FWD_MIN_KV": Row(
-        1024,
-        "... except a forward with no band (not causal, no window) over fewer keys than this, "
-        "where cuDNN leads or ties: B16 H16 L512 D128 forward 74.9 us for jax.nn's cuDNN call "
-        "against 81.6 for flash-attn3-jax's own (one H100), our cuDNN graph 443 TFLOP/s against "
-        "429 for FlashAttention-3 through us (H200), 425-434 against 431 (another H100); from "
-        "B4 H32 L4096 FlashAttention-3 leads (1830 vs 1892 us for jax.nn's cuDNN, H100)",
-        "benchmarks/results/h100/peers.json, benchmarks/results/h100/peers_short.json, "
-        "benchmarks/results/h200/peers_flash_attn3_short.json"),
+        "benchmarks/results/h200/peers_flash_attn3.json, benchmarks/results/h100/peers.json, "
+        "benchmarks/results/h100/peers_short.json"),
     "FLASH_ATTN3_PACKED": Row(
         {"prefer": True, "max_sequences_per_row": 64},
         "16-bit D128 packed self-attention (segment ids, Lq = Lk) where flash-attn3-jax "
@@ -198,5 +194,4 @@ XLA_WIDE_FWD_UNBANDED = ROWS["XLA_WIDE_FWD_UNBANDED"].value
 XLA_GPU_PROBS_IN_INPUT_DTYPE = ROWS["XLA_GPU_PROBS_IN_INPUT_DTYPE"].value
 CUDA_PAGED_FLASH_FOR_NONE = ROWS["CUDA_PAGED_FLASH_FOR_NONE"].value
 FLASH_ATTN3_FIRST = ROWS["FLASH_ATTN3_FIRST"].value
-FLASH_ATTN3_UNBANDED_FWD_MIN_KV = ROWS["FLASH_ATTN3_UNBANDED_FWD_MIN_KV"].value
 FLASH_ATTN3_PACKED = ROWS["FLASH_ATTN3_PACKED"].value

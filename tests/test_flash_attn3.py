@@ -168,7 +168,7 @@ def test_backward_buckets_hold_every_call():
     (dict(lq=512, lk=2048, window_right=0, bottom_right=True), "fwd", "flash_attn3"),
     (dict(), "bwd", "flash_attn3"),
     (dict(), "fwd", "flash_attn3"),
-    (dict(lq=512), "fwd", "cudnn"),  # FLASH_ATTN3_UNBANDED_FWD_MIN_KV
+    (dict(lq=512), "fwd", "cudnn"),  # FLASH_ATTN3_FIRST: unbanded from 1024 keys
     (dict(lq=512), "bwd", "flash_attn3"),
     (dict(lq=512, window_right=0), "fwd", "flash_attn3"),
     (dict(seq_major=False, window_right=0), "fwd", "cudnn"),

@@ -184,15 +184,15 @@ void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, 
       for (int64_t j = hi; j < jn; ++j) St[j * np + c] = -INFINITY;
     }
   }
-  if (seg == SegCover::kPartial && np % W != 0) {  // dense narrow scores, as below
-    const int32_t* kv = p.kv_segment_ids + t.b * p.len_kv + j0;
-    for (int64_t j = 0; j < jn; ++j)
-      for (int64_t c = 0; c < np; ++c)
-        if (t.qseg[c] != kv[j]) St[j * np + c] = -INFINITY;
-  } else if (seg == SegCover::kPartial) {  // selected, not added: a NaN score of another segment goes
+  if (seg == SegCover::kPartial) {  // selected, not added: a NaN score of another segment goes
     const int32_t* kv = p.kv_segment_ids + t.b * p.len_kv + j0;
     const vf hidden = splat(-INFINITY);
     for (int64_t j = 0; j < jn; ++j) {
+      if (np % W != 0) {  // a narrow tile's dense rows: fewer columns than a vector
+        for (int64_t c = 0; c < np; ++c)
+          if (t.qseg[c] != kv[j]) St[j * np + c] = -INFINITY;
+        continue;
+      }
       vi id;
       for (int x = 0; x < W; ++x) id[x] = kv[j];
       for (int64_t c0 = 0; c0 < np; c0 += W) {
