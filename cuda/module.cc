@@ -3,9 +3,14 @@
 // decode kernels' workspace bytes, default kernel and refusals, the flash kernels' refusals
 // and wgmma availability, cuDNN's band alignment and refusals, and the cuDNN in the process.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda/cudnn/cudnn_sdpa.h"
 #include "cuda/decode/decode_attention.h"
@@ -13,11 +18,76 @@
 #include "ffi/module_facts.h"
 #include "ffi/module_registrations.h"
 #include "ffi/sdpa_params.h"
+#include "ffi/shaped_call.h"
 
 namespace nb = nanobind;
 
 using jax_sdpa::def_shape_fact;
 using jax_sdpa::shape_params;
+
+namespace {
+
+using Shaped = std::pair<std::vector<int64_t>, std::string>;  // (dims, numpy dtype name)
+
+// The custom call's attribute dictionary (primitives.ffi_attrs) as the handlers decode it.
+jax_sdpa::SdpaAttrs attrs_from_dict(const nb::dict& d) {
+  jax_sdpa::SdpaAttrs a;
+  auto get = [&](const char* key, auto* field) {
+    if (d.contains(key)) *field = nb::cast<std::decay_t<decltype(*field)>>(d[key]);
+  };
+  get("scale", &a.scale);
+  get("window_left", &a.window_left);
+  get("window_right", &a.window_right);
+  get("bottom_right", &a.bottom_right);
+  get("seq_major", &a.seq_major);
+  get("has_mask", &a.has_mask);
+  get("has_sinks", &a.has_sinks);
+  get("has_q_lengths", &a.has_q_lengths);
+  get("has_kv_lengths", &a.has_kv_lengths);
+  get("fp32_precision", &a.fp32_precision);
+  get("logits_soft_cap", &a.logits_soft_cap);
+  get("has_segment_ids", &a.has_segment_ids);
+  get("kv_layout", &a.kv_layout);
+  return a;
+}
+
+// (bytes, '') of a cuDNN target's workspace result, or (0, why) where it can't be sized: the
+// call unpacked as its handler will unpack it, then cudnn::scratch_bytes.
+std::pair<int64_t, std::string> cudnn_workspace_bytes(bool backward, bool lse_wanted,
+                                                      const std::vector<Shaped>& operands,
+                                                      const std::vector<Shaped>& results,
+                                                      const nb::dict& attr_dict) {
+  const size_t n_in = backward ? 12 : 9, n_out = backward ? 3 : 2;
+  if (operands.size() != n_in || results.size() != n_out)
+    throw std::invalid_argument("cudnn_workspace_bytes: expected " + std::to_string(n_in) +
+                                " operands and " + std::to_string(n_out) + " results");
+  jax_sdpa::ShapedBuffers shaped;
+  std::vector<xla::ffi::AnyBuffer> in, out;
+  for (const Shaped& s : operands) in.push_back(shaped.add(s.first, s.second));
+  for (const Shaped& s : results) out.push_back(shaped.add(s.first, s.second));
+  const jax_sdpa::SdpaAttrs attrs = attrs_from_dict(attr_dict);
+  const size_t opt_at = backward ? 6 : 3;
+  const jax_sdpa::OptionalOperands opt{in[opt_at],     in[opt_at + 1], in[opt_at + 2],
+                                       in[opt_at + 3], in[opt_at + 4], in[opt_at + 5]};
+  jax_sdpa::SdpaParams p;
+  xla::ffi::Error e;
+  if (backward) {
+    jax_sdpa::SdpaBwdBuffers b;
+    e = jax_sdpa::unpack_backward(attrs, in[0], in[1], in[2], in[3], in[4], in[5], opt, out[0],
+                                  out[1], out[2], &p, &b);
+  } else {
+    jax_sdpa::SdpaFwdBuffers b;
+    e = jax_sdpa::unpack_forward(attrs, in[0], in[1], in[2], opt, out[0], out[1], &p, &b,
+                                 lse_wanted);
+  }
+  if (e.failure()) return {0, e.message()};
+  int64_t bytes = 0;
+  jax_sdpa::cudnn::Status st = jax_sdpa::cudnn::scratch_bytes(p, backward, lse_wanted, &bytes);
+  if (!st.ok()) return {0, st.message};
+  return {bytes, ""};
+}
+
+}  // namespace
 
 NB_MODULE(_sdpa_cuda, m) {
   namespace decode = jax_sdpa::cuda_decode;
@@ -78,6 +148,12 @@ NB_MODULE(_sdpa_cuda, m) {
       nb::arg("batch"), nb::arg("logits_soft_cap"), nb::arg("has_lengths"),
       nb::arg("per_batch_sinks"),
       "Why our cuDNN graphs refuse a call for what it combines ('' when they don't).");
+  m.def("cudnn_workspace_bytes", &cudnn_workspace_bytes, nb::arg("backward"),
+        nb::arg("lse_wanted"), nb::arg("operands"), nb::arg("results"), nb::arg("attrs"),
+        "(bytes, '') of the workspace result a cuDNN target takes for this call on the current "
+        "device (its plan is built now and cached), or (0, why) where it can't be sized; "
+        "operands and results are (dims, numpy dtype name) in the target's order, attrs its "
+        "attribute dictionary.");
   m.def("cudnn_version", &jax_sdpa::cudnn::runtime_version,
         "Version of the libcudnn loaded in this process (e.g. 91900), -1 if it can't be queried.");
   m.def("cudnn_compiled_version", &jax_sdpa::cudnn::compiled_version,

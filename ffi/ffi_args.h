@@ -97,24 +97,31 @@ auto bind_sdpa_fwd(Binding binding) {
   return bind_sdpa_attrs(bind_sdpa_fwd_buffers(std::move(binding)));
 }
 
+// The backward's operands and its three contract results (a handler with extra results
+// appends them before the attributes).
+template <typename Binding>
+auto bind_sdpa_bwd_buffers(Binding&& binding) {  // by reference: Binding can't be moved
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()   // q
+      .template Arg<ffi::AnyBuffer>()   // k
+      .template Arg<ffi::AnyBuffer>()   // v
+      .template Arg<ffi::AnyBuffer>()   // out
+      .template Arg<ffi::AnyBuffer>()   // lse
+      .template Arg<ffi::AnyBuffer>()   // dout
+      .template Arg<ffi::AnyBuffer>()   // mask
+      .template Arg<ffi::AnyBuffer>()   // sinks
+      .template Arg<ffi::AnyBuffer>()   // q_lengths
+      .template Arg<ffi::AnyBuffer>()   // kv_lengths
+      .template Arg<ffi::AnyBuffer>()   // q_segment_ids
+      .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
+      .template Ret<ffi::AnyBuffer>()   // dq
+      .template Ret<ffi::AnyBuffer>()   // dk
+      .template Ret<ffi::AnyBuffer>();  // dv
+}
+
 template <typename Binding>
 auto bind_sdpa_bwd(Binding binding) {
-  return bind_sdpa_attrs(std::move(binding)
-                             .template Arg<ffi::AnyBuffer>()   // q
-                             .template Arg<ffi::AnyBuffer>()   // k
-                             .template Arg<ffi::AnyBuffer>()   // v
-                             .template Arg<ffi::AnyBuffer>()   // out
-                             .template Arg<ffi::AnyBuffer>()   // lse
-                             .template Arg<ffi::AnyBuffer>()   // dout
-                             .template Arg<ffi::AnyBuffer>()   // mask
-                             .template Arg<ffi::AnyBuffer>()   // sinks
-                             .template Arg<ffi::AnyBuffer>()   // q_lengths
-                             .template Arg<ffi::AnyBuffer>()   // kv_lengths
-                             .template Arg<ffi::AnyBuffer>()   // q_segment_ids
-                             .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
-                             .template Ret<ffi::AnyBuffer>()   // dq
-                             .template Ret<ffi::AnyBuffer>()   // dk
-                             .template Ret<ffi::AnyBuffer>());  // dv
+  return bind_sdpa_attrs(bind_sdpa_bwd_buffers(std::move(binding)));
 }
 
 // The paged forward `jax_sdpa_<backend>_paged_fwd` (docs/ffi_contract.md, "Paged KV"):
@@ -449,22 +456,31 @@ inline ffi::Error check_lse(ffi::AnyBuffer::Dimensions d, ffi::DataType t, const
 }
 
 // Everything a forward handler checks and collects before it runs: the inputs
-// (unpack_inputs), out and lse against them, and the buffers' addresses.
+// (unpack_inputs), out and lse against them, and the buffers' addresses. A target that
+// returns no lse (with_lse false: jax_sdpa_cudnn_fwd_no_lse) takes an f32 [0] in its place
+// and gets buf->lse == nullptr.
 inline ffi::Error unpack_forward(const SdpaAttrs& a, const ffi::AnyBuffer& q,
                                  const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                  const OptionalOperands& opt, const ffi::AnyBuffer& out,
-                                 const ffi::AnyBuffer& lse, SdpaParams* p, SdpaFwdBuffers* buf) {
+                                 const ffi::AnyBuffer& lse, SdpaParams* p, SdpaFwdBuffers* buf,
+                                 bool with_lse = true) {
   if (auto e = unpack_inputs(a, q, k, v, opt, p); e.failure())
     return e;
   if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", p->head_dim_v);
       e.failure())
     return e;
-  if (auto e = check_lse(lse.dimensions(), lse.element_type(), *p); e.failure()) return e;
+  if (with_lse) {
+    if (auto e = check_lse(lse.dimensions(), lse.element_type(), *p); e.failure()) return e;
+  } else if (lse.element_type() != ffi::DataType::F32 || lse.dimensions().size() != 1 ||
+             lse.dimensions()[0] != 0) {
+    return detail::invalid("this target returns no lse: its lse result must be float32 [0], got " +
+                           detail::typed_dims_str(lse.element_type(), lse.dimensions()));
+  }
   buf->q = q.untyped_data();
   buf->k = k.untyped_data();
   buf->v = v.untyped_data();
   buf->out = out.untyped_data();
-  buf->lse = static_cast<float*>(lse.untyped_data());
+  buf->lse = with_lse ? static_cast<float*>(lse.untyped_data()) : nullptr;
   return ffi::Error::Success();
 }
 

@@ -296,6 +296,8 @@ _DECODE_KERNEL_TEXT = {
 CUDA_DECODE_TARGET = "jax_sdpa_cuda_fwd"
 # cuDNN's forward for a call whose lse nobody reads: no softmax stats, lse filled with NaN.
 CUDNN_FWD_NO_LSE_TARGET = "jax_sdpa_cudnn_fwd_no_lse"
+CUDNN_BWD_TARGET = "jax_sdpa_cudnn_bwd"
+CUDNN_TARGETS = frozenset({"jax_sdpa_cudnn_fwd", CUDNN_FWD_NO_LSE_TARGET, CUDNN_BWD_TARGET})
 
 
 def _cuda_target(kernel: str, direction: str) -> str:
@@ -357,8 +359,47 @@ def cuda_decode_workspace_bytes(cfg: Config) -> int:
 
 def ffi_workspace_bytes(target: str, cfg: Config) -> int:
     """Bytes of the extra uint8 workspace result that FFI target `target` takes after its
-    contract results (0: none). Only our decode kernel has one."""
+    contract results, where the config alone sizes it (our decode kernel); 0 for a target
+    without one, and for the cuDNN targets, whose workspace the lowering sizes
+    (`workspace_bytes_at_lowering`)."""
     return cuda_decode_workspace_bytes(cfg) if target == CUDA_DECODE_TARGET else 0
+
+
+# Where the native code can't size a cuDNN target's workspace at lowering: the alignment of
+# one piece (cudnn::kScratchAlignment). The handler then takes what it lacks from XLA's
+# scratch allocator, which only a call not being captured into a CUDA graph may use.
+_CUDNN_UNSIZED_WORKSPACE = 256
+
+
+def workspace_bytes_at_lowering(plan: "Plan", operands, results, attrs) -> int:
+    """Bytes of the uint8 workspace result of `plan`'s target for a call of these operand
+    and result avals (the target's order) and attribute dictionary (0: the target has none).
+    A cuDNN target's is sized by the native code (cudnn::scratch_bytes: the workspace of the
+    call's cuDNN plan, built now on the current device and kept for the call, plus the
+    clamped lengths, converted mask and zeroed copies the graphs read), so the call takes no
+    scratch of XLA's and XLA may capture it into a CUDA graph."""
+    if plan.target not in CUDNN_TARGETS:
+        return plan.workspace_bytes
+    native = _native()
+    if native is None:
+        return _CUDNN_UNSIZED_WORKSPACE
+    shaped = lambda avals: tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype).name)
+                                 for a in avals)
+    plain = tuple(sorted((k, v.item() if isinstance(v, np.generic) else v)
+                         for k, v in attrs.items()))
+    return _cudnn_workspace_bytes(plan.target == CUDNN_BWD_TARGET,
+                                  plan.target != CUDNN_FWD_NO_LSE_TARGET, shaped(operands),
+                                  shaped(results), plain)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cudnn_workspace_bytes(backward, lse_wanted, operands, results, attrs) -> int:
+    try:
+        n, why = _native().cudnn_workspace_bytes(backward, lse_wanted, list(operands),
+                                                 list(results), dict(attrs))
+    except Exception:  # the module can't size it here (e.g. no GPU visible)
+        return _CUDNN_UNSIZED_WORKSPACE
+    return int(n) if not why else _CUDNN_UNSIZED_WORKSPACE
 
 
 def _flash_verdict(call: "_Call") -> Verdict:

@@ -255,16 +255,16 @@ def _lower(direction, platform):
             return flash_attn3.lower(ctx, direction, args, params, packed=True,
                                      fallback=fallback)
         if plan.segments_as_mask:
-            return _lower_segments_as_mask(ctx, plan.target, n_fixed, args, flags, params)
+            return _lower_segments_as_mask(ctx, plan, n_fixed, args, flags, params)
         attrs = ffi_attrs(params, flags)
-        if plan.workspace_bytes:
-            return lower_with_workspace(ctx, plan.target, args, attrs, plan.workspace_bytes)
-        return jax.ffi.ffi_lowering(plan.target)(ctx, *args, **attrs)
+        results = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out]
+        return mlir.lower_fun(lambda *a: call_target(plan, a, results, attrs),
+                              multiple_results=True)(ctx, *args)
 
     return rule
 
 
-def _lower_segments_as_mask(ctx, target, n_fixed, args, flags, params):
+def _lower_segments_as_mask(ctx, plan, n_fixed, args, flags, params):
     """The custom call with the segment ids passed as the additive mask [B, 1, Lq, Lk] of
     dispatch.segments_as_mask (0 where q_segment_ids[b, i] == kv_segment_ids[b, j], -inf
     elsewhere; the call has no mask of its own), built in XLA next to the call."""
@@ -279,9 +279,27 @@ def _lower_segments_as_mask(ctx, target, n_fixed, args, flags, params):
         same = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
         optional[OPTIONAL.index("mask")] = jnp.where(same, 0.0, -jnp.inf).astype(fixed[0].dtype)
         optional[ids_at] = optional[ids_at + 1] = _placeholder(jnp.int32)
-        return jax.ffi.ffi_call(target, results)(*fixed, *optional, **attrs)
+        return call_target(plan, (*fixed, *optional), results, attrs)
 
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def call_target(plan, operands, results, attrs):
+    """The plan's FFI target called on `operands` (inside a lowered function) for the
+    primitive's `results`: with the target's uint8 workspace result appended and dropped
+    (dispatch.workspace_bytes_at_lowering), and for the no-lse cuDNN target, which returns
+    f32 [0] in lse's place, lse as NaN (XLA drops it, since nothing reads it)."""
+    no_lse = plan.target == dispatch.CUDNN_FWD_NO_LSE_TARGET
+    called = list(results)
+    if no_lse:
+        called[1] = jax.ShapeDtypeStruct((0,), jnp.float32)
+    workspace = dispatch.workspace_bytes_at_lowering(plan, operands, called, attrs)
+    extra = [jax.ShapeDtypeStruct((workspace,), np.uint8)] if workspace else []
+    out = list(jax.ffi.ffi_call(plan.target, [*called, *extra])(*operands, **attrs))
+    out = out[:len(results)]
+    if no_lse:
+        out[1] = jnp.full(results[1].shape, jnp.nan, jnp.float32)
+    return out
 
 
 def lower_with_workspace(ctx, target, args, attrs, workspace_bytes):

@@ -17,13 +17,14 @@ the same dtype plus a floor. Outputs are NaN-poisoned by the handler before the 
 from __future__ import annotations
 
 import os
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sdpa import oracle
+from jax_sdpa import dispatch, oracle
 
 gpu = pytest.mark.gpu
 
@@ -63,23 +64,34 @@ def _contract(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl):
                          kv_lengths=kvl)
 
 
+def _with_workspace(target, operands, results, attrs, workspace_bytes=None):
+    """`target` called with its uint8 workspace result appended (sized as the lowering sizes
+    it, unless `workspace_bytes` is given), that result dropped."""
+    if workspace_bytes is None:
+        plan = types.SimpleNamespace(target=target, workspace_bytes=0)
+        workspace_bytes = dispatch.workspace_bytes_at_lowering(plan, operands, results, attrs)
+    workspace = jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8)
+    out = jax.ffi.ffi_call(target, (*results, workspace))(*operands, **attrs)
+    return tuple(out)[:len(results)]
+
+
 def ffi_fwd(q, k, v, mask=None, sinks=None, ql=None, kvl=None, *, scale, wl=-1, wr=-1,
-            br=False, seq_major=False):
+            br=False, seq_major=False, workspace_bytes=None):
     b = q.shape[0]
     hq, lq = (q.shape[2], q.shape[1]) if seq_major else (q.shape[1], q.shape[2])
     out = jax.ShapeDtypeStruct(q.shape[:3] + (v.shape[3],), q.dtype)
     lse = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
-    call = jax.ffi.ffi_call("jax_sdpa_cudnn_fwd", (out, lse))
     operands, attrs = _contract(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl)
-    return call(q, k, v, *operands, **attrs)
+    return _with_workspace("jax_sdpa_cudnn_fwd", (q, k, v, *operands), (out, lse), attrs,
+                           workspace_bytes)
 
 
 def ffi_bwd(q, k, v, out, lse, dout, mask=None, sinks=None, ql=None, kvl=None, *, scale,
-            wl=-1, wr=-1, br=False, seq_major=False):
+            wl=-1, wr=-1, br=False, seq_major=False, workspace_bytes=None):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    call = jax.ffi.ffi_call("jax_sdpa_cudnn_bwd", shapes)
     operands, attrs = _contract(scale, wl, wr, br, seq_major, mask, sinks, ql, kvl)
-    return call(q, k, v, out, lse, dout, *operands, **attrs)
+    return _with_workspace("jax_sdpa_cudnn_bwd", (q, k, v, out, lse, dout, *operands), shapes,
+                           attrs, workspace_bytes)
 
 
 # ---------------------------------------------------------------------------
@@ -423,6 +435,65 @@ def test_graph_cache_reuses_graphs(key):
     assert m.graph_cache_size() == n
     jax.block_until_ready(f(q[:, :, :40], k, v))  # new shape: one more
     assert m.graph_cache_size() == min(n + 1, m.graph_cache_capacity())
+
+
+@gpu
+def test_workspace_is_sized_at_lowering_and_topped_up_outside_capture(key):
+    """The targets' workspace result holds every piece of scratch the graphs take (kv
+    lengths: a zeroed copy of V and K); a workspace too small for them (0 bytes) is topped up
+    from XLA's scratch allocator when the call is not captured, with the same results."""
+    c = dict(b=3, hq=4, hk=2, lq=96, lk=160, d=64, kvl=True, wr=0, br=True)
+    (q, k, v, mask, sinks, ql, kvl), flags = make_inputs(c, "bfloat16", key)
+    dout = jax.random.normal(jax.random.fold_in(key, 5), q.shape, jnp.float32).astype(q.dtype)
+    operands, attrs = _contract(flags["scale"], flags["wl"], flags["wr"], flags["br"], False,
+                                None, None, None, kvl)
+    plan = types.SimpleNamespace(target="jax_sdpa_cudnn_bwd", workspace_bytes=0)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    lse = jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)
+    sized = dispatch.workspace_bytes_at_lowering(plan, (q, k, v, q, lse, dout, *operands),
+                                                 results, attrs)
+    # the zeroed copies of q, dout, k and v alone, each rounded up to 256 bytes
+    copies = sum(-(-x.size * 2 // 256) * 256 for x in (q, dout, k, v))
+    assert sized >= copies
+
+    def run(workspace_bytes):
+        @jax.jit
+        def f(q, k, v, dout, kvl):
+            out, lse = ffi_fwd(q, k, v, None, None, None, kvl, **flags,
+                               workspace_bytes=workspace_bytes)
+            return (out, lse, *ffi_bwd(q, k, v, out, lse, dout, None, None, None, kvl, **flags,
+                                       workspace_bytes=workspace_bytes))
+        return [np.asarray(x, np.float32) for x in f(q, k, v, dout, kvl)]
+
+    got, topped_up = run(None), run(0)
+    for nm, a, b in zip(("out", "lse"), got, topped_up):
+        np.testing.assert_array_equal(a, b, err_msg=nm)
+    _, _, want = expected(q, k, v, None, None, None, kvl, dout, **flags)
+    _, xla = xla_same_dtype(q, k, v, None, None, None, kvl, dout, **flags)
+    for nm, g, t, w, x in zip(("dq", "dk", "dv"), got[2:], topped_up[2:], want, xla):
+        check(g, w, x, "bfloat16", nm)
+        check(t, w, x, "bfloat16", nm)
+
+
+@gpu
+def test_dependent_calls_in_a_loop(key):
+    """Decode steps as dependent calls in one jitted fori_loop (where XLA may capture the
+    call into a CUDA graph) give what the same steps give called one by one."""
+    import jax_sdpa
+    c = dict(b=2, hq=8, hk=2, lq=1, lk=512, d=64)
+    (q, k, v, *_), _ = make_inputs(c, "bfloat16", key)
+    kvl = jnp.array([300, 512], jnp.int32)
+
+    def step(q, k, v, kvl):
+        return jax_sdpa.scaled_dot_product_attention(q, k, v, key_value_seq_lengths=kvl,
+                                                     implementation="cudnn")
+
+    looped = jax.jit(lambda q: jax.lax.fori_loop(0, 6, lambda i, x: step(x, k, v, kvl), q))(q)
+    one = jax.jit(step)
+    x = q
+    for _ in range(6):
+        x = one(x, k, v, kvl)
+    np.testing.assert_array_equal(np.asarray(looped, np.float32), np.asarray(x, np.float32))
 
 
 # ---------------------------------------------------------------------------

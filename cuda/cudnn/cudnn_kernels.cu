@@ -89,13 +89,13 @@ __global__ void fix_forward_rows_kernel(SdpaParams p, void* out, float* lse) {
     if (i < qlen) {
       const int64_t offset = diagonal_offset(p.bottom_right, qlen, kvlen);
       const KeyRange keys = band_keys(i, offset, p.window_left, p.window_right, kvlen);
-      const float l = lse[r];
+      const float l = lse != nullptr ? lse[r] : -INFINITY;  // none: no key (Lk == 0)
       // A NaN lse (a visible NaN logit) is kept with cuDNN's row: the contract's NaN row.
       const bool has_keys = keys.last > keys.first && (l != l || (l > -1e30f && l < INFINITY));
       if (has_keys) continue;
       if (p.sinks != nullptr) value = p.sinks[b * p.sinks_batch_stride + h];
     }
-    lse[r] = value;
+    if (lse != nullptr) lse[r] = value;
     zero_elements(out, b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2], p.head_dim_v,
                   esize);
   }

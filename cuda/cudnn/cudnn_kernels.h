@@ -26,7 +26,8 @@ cudaError_t mask_to_bias(const SdpaParams& p, int64_t mask_b, int64_t mask_h, vo
 // After the cuDNN forward: query rows i >= qlen, and rows with no visible key,
 // get out = 0 and lse = -inf (the sink's logit when there are sinks and the row
 // is in range). Rows whose lse is -inf or below -1e30 (everything masked) count as
-// having no visible key; a NaN lse (a visible NaN logit) keeps cuDNN's row.
+// having no visible key; a NaN lse (a visible NaN logit) keeps cuDNN's row. lse may be
+// null only where no row has a key (Lk == 0): then only out is written.
 cudaError_t fix_forward_rows(const SdpaParams& p, void* out, float* lse, cudaStream_t stream);
 
 // Stats for the cuDNN backward: lse, with -inf (rows with nothing) replaced by +FLT_MAX

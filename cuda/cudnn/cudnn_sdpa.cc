@@ -2,9 +2,10 @@
 //
 // One graph per (device, direction, dtype, shapes, strides, mask/bias form,
 // window, lengths, sinks), built on first use and kept in a thread-safe LRU.
-// Per call: a cache lookup, the workspace from the caller's scratch allocator,
-// cudnnSetStream + execute under the device's lock, and (only where rows can be
-// empty or padded) one small fix-up kernel. No host synchronization.
+// Per call: a cache lookup, scratch from the caller's Scratch (the FFI targets' workspace
+// result, sized by scratch_bytes at lowering), cudnnSetStream + execute under the device's
+// lock, and (only where rows can be empty or padded) one small fix-up kernel. No host
+// synchronization; stream work only, so XLA may capture it into a CUDA graph.
 //
 // How the contract maps onto cuDNN:
 // - layouts are strides of the [B, H, L, D] views cuDNN wants: no transposes;
@@ -404,6 +405,21 @@ Status build_plan(cudnnHandle_t handle, const SdpaParams& p, const Spec& s,
 
 // ---- per-device handles and the graph cache --------------------------------------
 
+// While XLA captures a call into a CUDA graph, the capturing thread may not make calls that
+// could synchronize (cudnnCreate, loading a plan's kernels). A plan missing from the cache at
+// capture (a device other than the one the call was lowered on) is built in relaxed mode:
+// none of that work is stream work, so nothing of it enters the graph.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 struct DeviceState {
   std::mutex mu;  // serializes cudnnSetStream + execute (and builds) on the handle
   cudnnHandle_t handle = nullptr;
@@ -469,6 +485,7 @@ Status device_state(int device, DeviceState** out) {
   std::lock_guard<std::mutex> lock(mu);
   auto& st = (*states)[device];
   if (!st) {
+    RelaxedCapture relaxed;
     auto fresh = std::make_unique<DeviceState>();
     cudnnStatus_t rc = cudnnCreate(&fresh->handle);  // on the current device
     if (rc != CUDNN_STATUS_SUCCESS)
@@ -487,6 +504,7 @@ Status get_plan(const SdpaParams& p, const Spec& s, DeviceState* dev,
   if ((*plan = graph_cache().find(key))) return Status::Ok();
   std::lock_guard<std::mutex> lock(dev->mu);
   if ((*plan = graph_cache().find(key))) return Status::Ok();  // built meanwhile
+  RelaxedCapture relaxed;  // the build loads kernels, which a capturing thread may not
   Status st = build_plan(dev->handle, p, s, plan);
   if (!st.ok()) return st;
   graph_cache().insert(key, *plan);
@@ -508,6 +526,37 @@ Status allocate(Scratch& scratch, size_t bytes, void** ptr, const char* what) {
 
 size_t element_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
+// ---- scratch: the bytes of each piece a call takes -------------------------------
+// sdpa_forward / sdpa_backward allocate these; scratch_bytes adds them up for the
+// workspace a command-buffer compatible call is handed.
+
+size_t lengths_bytes(const SdpaParams& p, const Spec& s) {
+  return s.padding ? 2 * p.batch * sizeof(int32_t) : 0;
+}
+
+size_t converted_bias_bytes(const SdpaParams& p, const Spec& s) {
+  if (!s.bias || s.bias_direct) return 0;
+  return static_cast<size_t>(s.bias_b * s.bias_h * p.len_q * p.len_kv) * element_bytes(p.dtype);
+}
+
+// An input's copy with its rows past a length zeroed (zeroed_past_length); 0: the input
+// itself serves.
+size_t zeroed_copy_bytes(const SdpaParams& p, bool len_is_q, int64_t heads, int64_t len,
+                         int64_t dim, const int64_t stride[3]) {
+  if ((len_is_q ? p.q_lengths : p.kv_lengths) == nullptr || raw_mode()) return 0;
+  const int64_t n = cudnn_kernels::strided_extent(p.batch, heads, len, dim, stride);
+  return n > 0 ? static_cast<size_t>(n) * element_bytes(p.dtype) : 0;
+}
+
+// The stats of a forward that returns no lse, where the row fix-up reads them.
+size_t forward_stats_bytes(const SdpaParams& p, const Spec& s, bool lse_wanted) {
+  return s.stats && !lse_wanted ? p.batch * p.heads_q * p.len_q * sizeof(float) : 0;
+}
+
+size_t backward_stats_bytes(const SdpaParams& p, const Spec& s) {
+  return s.fix_rows && !raw_mode() ? p.batch * p.heads_q * p.len_q * sizeof(float) : 0;
+}
+
 // Clamped lengths and the bias, shared by forward and backward.
 struct Extras {
   int32_t* seq_q = nullptr;
@@ -519,7 +568,7 @@ Status prepare_extras(const SdpaParams& p, const Spec& s, cudaStream_t stream, S
                       Extras* x) {
   if (s.padding) {
     void* mem = nullptr;
-    if (Status st = allocate(scratch, 2 * p.batch * sizeof(int32_t), &mem, "sequence lengths");
+    if (Status st = allocate(scratch, lengths_bytes(p, s), &mem, "sequence lengths");
         !st.ok())
       return st;
     x->seq_q = static_cast<int32_t*>(mem);
@@ -536,9 +585,9 @@ Status prepare_extras(const SdpaParams& p, const Spec& s, cudaStream_t stream, S
       x->bias = p.mask;
     } else {
       void* mem = nullptr;
-      const size_t bytes = static_cast<size_t>(s.bias_b * s.bias_h * p.len_q * p.len_kv) *
-                           element_bytes(p.dtype);
-      if (Status st = allocate(scratch, bytes, &mem, "mask as a bias"); !st.ok()) return st;
+      if (Status st = allocate(scratch, converted_bias_bytes(p, s), &mem, "mask as a bias");
+          !st.ok())
+        return st;
       if (Status st = cuda_status(
               cudnn_kernels::mask_to_bias(p, s.bias_b, s.bias_h, mem, p.dtype, stream),
               "mask conversion kernel");
@@ -558,11 +607,10 @@ Status zeroed_past_length(const SdpaParams& p, bool len_is_q, const void* x, int
                           cudaStream_t stream, Scratch& scratch, const char* what,
                           const void** out) {
   *out = x;
-  if ((len_is_q ? p.q_lengths : p.kv_lengths) == nullptr || raw_mode()) return Status::Ok();
-  const int64_t n = cudnn_kernels::strided_extent(p.batch, heads, len, dim, stride);
-  if (n <= 0) return Status::Ok();
+  const size_t bytes = zeroed_copy_bytes(p, len_is_q, heads, len, dim, stride);
+  if (bytes == 0) return Status::Ok();
   void* mem = nullptr;
-  if (Status st = allocate(scratch, n * element_bytes(p.dtype), &mem, what); !st.ok()) return st;
+  if (Status st = allocate(scratch, bytes, &mem, what); !st.ok()) return st;
   if (Status st = cuda_status(cudnn_kernels::copy_zeroing_rows_past_length(
                                   p, len_is_q, x, mem, heads, len, dim, stride, stream),
                               "zeroing copy kernel");
@@ -623,7 +671,8 @@ Status guarded(F&& f) {
 }  // namespace
 
 Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t stream,
-                    Scratch& scratch, bool lse_wanted) {
+                    Scratch& scratch) {
+  const bool lse_wanted = b.lse != nullptr;
   return guarded([&]() -> Status {
     if (p.batch * p.heads_q * p.len_q == 0) return Status::Ok();
     if (p.len_kv == 0)  // no keys anywhere: every row is empty
@@ -653,7 +702,17 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
         {kQ, const_cast<void*>(b.q)}, {kK, const_cast<void*>(b.k)},
         {kV, const_cast<void*>(v)},   {kScale, &scale},
         {kO, b.out}};
-    if (s.stats) pack[kStats] = b.lse;
+    // No lse to return: the stats the row fix-up reads go to scratch.
+    float* stats = b.lse;
+    if (s.stats && stats == nullptr) {
+      void* mem = nullptr;
+      if (Status st = allocate(scratch, forward_stats_bytes(p, s, lse_wanted), &mem,
+                               "softmax stats");
+          !st.ok())
+        return st;
+      stats = static_cast<float*>(mem);
+    }
+    if (s.stats) pack[kStats] = stats;
     if (s.bias) pack[kBias] = const_cast<void*>(x.bias);
     if (s.padding) {
       pack[kSeqQ] = x.seq_q;
@@ -661,12 +720,8 @@ Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t s
     }
     if (s.sinks) pack[kSink] = const_cast<float*>(p.sinks);
     if (Status st = execute(dev, *plan, stream, pack, scratch); !st.ok()) return st;
-    if (!s.stats)  // written all the same: NaN (all bits set), which no caller reads
-      return cuda_status(cudaMemsetAsync(b.lse, 0xFF, p.batch * p.heads_q * p.len_q *
-                                                          sizeof(float), stream),
-                         "lse fill");
     if (s.fix_rows && !raw_mode())
-      return cuda_status(cudnn_kernels::fix_forward_rows(p, b.out, b.lse, stream),
+      return cuda_status(cudnn_kernels::fix_forward_rows(p, b.out, stats, stream),
                          "row fix-up kernel");
     return Status::Ok();
   });
@@ -702,7 +757,8 @@ Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t 
     if (s.fix_rows && !raw_mode()) {
       const int64_t n = p.batch * p.heads_q * p.len_q;
       void* mem = nullptr;
-      if (Status st = allocate(scratch, n * sizeof(float), &mem, "backward stats"); !st.ok())
+      if (Status st = allocate(scratch, backward_stats_bytes(p, s), &mem, "backward stats");
+          !st.ok())
         return st;
       if (Status st = cuda_status(
               cudnn_kernels::stats_for_backward(b.lse, n, static_cast<float*>(mem), stream),
@@ -763,6 +819,40 @@ Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t 
     return cuda_status(cudnn_kernels::zero_rows_past_length(p, false, b.dv, p.heads_kv, p.len_kv,
                                                             p.head_dim_v, p.v_stride, stream),
                        "zero kernel");
+  });
+}
+
+Status scratch_bytes(const SdpaParams& p, bool backward, bool lse_wanted, int64_t* bytes) {
+  return guarded([&]() -> Status {
+    *bytes = 0;
+    // The calls that return before any graph runs (sdpa_forward / sdpa_backward) take none.
+    if (p.batch * p.heads_q * p.len_q == 0 || p.len_kv == 0) return Status::Ok();
+    if (Status st = check_dtype(p); !st.ok()) return st;
+    if (Status st = check_features(p, backward); !st.ok()) return st;
+    int device = 0;
+    if (Status st = current_device(&device); !st.ok()) return st;
+    DeviceState* dev = nullptr;
+    if (Status st = device_state(device, &dev); !st.ok()) return st;
+    const Spec s = make_spec(p, device, backward, lse_wanted);
+    std::shared_ptr<Plan> plan;
+    if (Status st = get_plan(p, s, dev, &plan); !st.ok()) return st;
+    std::vector<size_t> pieces = {lengths_bytes(p, s), converted_bias_bytes(p, s),
+                                  static_cast<size_t>(plan->workspace)};
+    if (!backward) pieces.push_back(forward_stats_bytes(p, s, lse_wanted));
+    if (backward) {
+      pieces.push_back(backward_stats_bytes(p, s));
+      pieces.push_back(zeroed_copy_bytes(p, true, p.heads_q, p.len_q, p.head_dim, p.q_stride));
+      pieces.push_back(
+          zeroed_copy_bytes(p, true, p.heads_q, p.len_q, p.head_dim_v, p.o_stride));
+      pieces.push_back(
+          zeroed_copy_bytes(p, false, p.heads_kv, p.len_kv, p.head_dim, p.k_stride));
+    }
+    pieces.push_back(zeroed_copy_bytes(p, false, p.heads_kv, p.len_kv, p.head_dim_v, p.v_stride));
+    size_t total = kScratchAlignment;  // slack to align the buffer's start
+    for (size_t b : pieces)
+      total += (b + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+    *bytes = static_cast<int64_t>(total);
+    return Status::Ok();
   });
 }
 

@@ -1,6 +1,6 @@
 // cuDNN SDPA (cudnn-frontend graphs) for the jax_sdpa kernel contract
 // (docs/ffi_contract.md). No XLA types here: cuda/cudnn/ffi_handler.cc unpacks the
-// call into SdpaParams + buffers and hands over a scratch allocator.
+// call into SdpaParams + buffers and hands over its workspace as a Scratch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +21,11 @@ class Scratch {
   virtual void* allocate(size_t bytes, size_t alignment) = 0;
 };
 
+// The alignment of each scratch piece a call takes out of one workspace buffer (cuDNN's
+// workspace wants 256 bytes); scratch_bytes counts every piece rounded up to it.
+constexpr size_t kScratchAlignment = 256;
+
+
 struct Status {
   enum Code { kOk = 0, kInvalidArgument, kUnimplemented, kResourceExhausted, kInternal };
   Code code = kOk;
@@ -32,14 +37,23 @@ struct Status {
 };
 
 // out, lse = attention(q, k, v, ...): lse natural-log float32 [B, Hq, Lq];
-// rows with nothing to attend get out = 0 and lse = -inf (or the sink). lse_wanted false
-// (the caller drops lse): cuDNN may skip its stats, and lse is then filled with NaN.
+// rows with nothing to attend get out = 0 and lse = -inf (or the sink). b.lse null (the
+// caller wants no lse): cuDNN skips its stats unless the row fix-up reads them (then they
+// go to scratch).
 Status sdpa_forward(const SdpaParams& p, const SdpaFwdBuffers& b, cudaStream_t stream,
-                    Scratch& scratch, bool lse_wanted = true);
+                    Scratch& scratch);
 
 // dq, dk, dv from (q, k, v, out, lse, dout); dsinks / dmask are computed in JAX.
 Status sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& b, cudaStream_t stream,
                      Scratch& scratch);
+
+// The bytes of scratch sdpa_forward (backward false; lse_wanted: b.lse given) / sdpa_backward
+// take for this call on the current device, each piece rounded up to kScratchAlignment, plus one alignment of
+// slack: cuDNN's workspace for the call's plan (built now and cached, so the call finds it)
+// and the clamped lengths, the mask as a bias, the inputs with rows past the lengths zeroed
+// and the stats (the backward's; a forward's without lse whose rows need fixing). Asked at lowering, it sizes the cuDNN targets' workspace result.
+// Fails as the call itself would (cuDNN refuses the graph, no device, ...).
+Status scratch_bytes(const SdpaParams& p, bool backward, bool lse_wanted, int64_t* bytes);
 
 // Whether the graph asks cuDNN for a bottom-right aligned band: a causal / window bound that
 // excludes keys, bottom-right alignment, and Lq != Lk or lengths (the rules dispatch

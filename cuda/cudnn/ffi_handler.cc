@@ -1,10 +1,19 @@
 // XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA"), and
-// jax_sdpa_cudnn_fwd_no_lse: the forward of a call whose lse nobody reads (lse comes back
-// NaN; cuDNN skips its softmax stats where the row fix-up doesn't need them).
+// jax_sdpa_cudnn_fwd_no_lse: the forward of a call whose lse nobody reads (its lse result is
+// f32 [0]; cuDNN skips its softmax stats where the row fix-up doesn't need them).
 // Unpack + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
-// cuda/cudnn/cudnn_sdpa.cc. Not declared command-buffer compatible: the workspace
-// comes from the ScratchAllocator, which CUDA-graph capture does not allow.
+// cuda/cudnn/cudnn_sdpa.cc. Each target returns a uint8 workspace after its contract results,
+// sized at lowering by cudnn::scratch_bytes (the `cudnn_workspace_bytes` binding): the
+// graphs' scratch comes out of it, so the handlers only enqueue stream work and are declared
+// command-buffer compatible (XLA captures them into CUDA graphs, as it does its own cuDNN
+// calls). A workspace too small for this device's plan (sized for another GPU or cuDNN, or
+// lowered where no GPU was visible) is topped up from XLA's scratch allocator, which only a
+// call that is not being captured may use.
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "cuda/cudnn/cudnn_sdpa.h"
 #include "ffi/registry.h"
@@ -21,16 +30,50 @@ constexpr uint32_t kServedFeatures = kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
 
-class FfiScratch final : public cudnn::Scratch {
+// The call's workspace result, handed out in kScratchAlignment pieces; past its end, XLA's
+// scratch allocator when the stream is not being captured (memory it frees when the call
+// returns would be reused under a replayed graph).
+class CallScratch final : public cudnn::Scratch {
  public:
-  explicit FfiScratch(ffi::ScratchAllocator& a) : alloc_(a) {}
+  CallScratch(ffi::AnyBuffer workspace, ffi::ScratchAllocator& fallback, cudaStream_t stream)
+      : base_(reinterpret_cast<uintptr_t>(workspace.untyped_data())),
+        end_(base_ + workspace.size_bytes()),
+        next_(base_),
+        fallback_(fallback) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    capturing_ = cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+                 capture != cudaStreamCaptureStatusNone;
+  }
+
   void* allocate(size_t bytes, size_t alignment) override {
-    auto mem = alloc_.Allocate(bytes, alignment);
+    const uintptr_t a = std::max<uintptr_t>(alignment, cudnn::kScratchAlignment);
+    const uintptr_t at = (next_ + a - 1) / a * a;
+    if (base_ != 0 && at + bytes <= end_) {
+      next_ = at + bytes;
+      return reinterpret_cast<void*>(at);
+    }
+    short_ = true;
+    if (capturing_) return nullptr;
+    auto mem = fallback_.Allocate(bytes, alignment);
     return mem.has_value() ? *mem : nullptr;
   }
 
+  // The error of a call that ran out of workspace while being captured, with what to do.
+  ffi::Error explain(ffi::Error e) const {
+    if (!e.failure() || !short_ || !capturing_) return e;
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jax_sdpa cudnn: the call's workspace (" + std::to_string(end_ - base_) +
+                          " bytes, sized when it was lowered) is too small for this device's "
+                          "cuDNN plan, and XLA is capturing the call into a CUDA graph, where "
+                          "no other scratch can be taken: lower it again on this machine (" +
+                          e.message() + ")");
+  }
+
  private:
-  ffi::ScratchAllocator& alloc_;
+  uintptr_t base_, end_, next_;
+  ffi::ScratchAllocator& fallback_;
+  bool capturing_ = false;
+  bool short_ = false;
 };
 
 ffi::Error to_ffi(const cudnn::Status& st) {
@@ -51,19 +94,20 @@ ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                    SdpaAttrs attrs) {
+                    ffi::Result<ffi::AnyBuffer> workspace, SdpaAttrs attrs) {
   SdpaParams p;
   SdpaFwdBuffers b;
   const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
                             kv_segment_ids};
-  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &b); e.failure())
+  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &b, kLseWanted);
+      e.failure())
     return e;
   if (auto e = refuse_unserved(p, kServedFeatures, "cudnn"); e.failure()) return e;
 
   if (auto e = poison_outputs("cudnn", stream, {&*out, &*lse}); e.failure()) return e;
 
-  FfiScratch s(scratch);
-  return to_ffi(cudnn::sdpa_forward(p, b, stream, s, kLseWanted));
+  CallScratch s(*workspace, scratch, stream);
+  return s.explain(to_ffi(cudnn::sdpa_forward(p, b, stream, s)));
 }
 
 ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
@@ -72,7 +116,8 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
                     ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, SdpaAttrs attrs) {
+                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace,
+                    SdpaAttrs attrs) {
   SdpaParams p;
   SdpaBwdBuffers b;
   const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
@@ -84,8 +129,8 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 
   if (auto e = poison_outputs("cudnn", stream, {&*dq, &*dk, &*dv}); e.failure()) return e;
 
-  FfiScratch s(scratch);
-  return to_ffi(cudnn::sdpa_backward(p, b, stream, s));
+  CallScratch s(*workspace, scratch, stream);
+  return s.explain(to_ffi(cudnn::sdpa_backward(p, b, stream, s)));
 }
 
 }  // namespace
@@ -93,24 +138,35 @@ ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 
 namespace ffi = xla::ffi;
 
-JAX_SDPA_DEFINE_FFI_TARGET(
-    jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd<true>,
-    jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()),
-    jax_sdpa::kServedFeatures);
+namespace jax_sdpa {
+namespace {
 
-JAX_SDPA_DEFINE_FFI_TARGET(
-    jax_sdpa_cudnn_fwd_no_lse, jax_sdpa::CudnnFwd<false>,
-    jax_sdpa::bind_sdpa_fwd(ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()),
-    jax_sdpa::kServedFeatures);
+// The contract's bindings with the workspace result appended (before the attributes).
+template <typename Binding>
+auto bind_cudnn_fwd(Binding binding) {
+  return bind_sdpa_attrs(bind_sdpa_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());
+}
 
-JAX_SDPA_DEFINE_FFI_TARGET(
-    jax_sdpa_cudnn_bwd, jax_sdpa::CudnnBwd,
-    jax_sdpa::bind_sdpa_bwd(ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()),
-    jax_sdpa::kServedFeatures);
+template <typename Binding>
+auto bind_cudnn_bwd(Binding binding) {
+  return bind_sdpa_attrs(bind_sdpa_bwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());
+}
 
+auto cudnn_context() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>();
+}
+
+}  // namespace
+}  // namespace jax_sdpa
+
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd<true>,
+                           jax_sdpa::bind_cudnn_fwd(jax_sdpa::cudnn_context()),
+                           jax_sdpa::kServedFeatures, {ffi::Traits::kCmdBufferCompatible});
+
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cudnn_fwd_no_lse, jax_sdpa::CudnnFwd<false>,
+                           jax_sdpa::bind_cudnn_fwd(jax_sdpa::cudnn_context()),
+                           jax_sdpa::kServedFeatures, {ffi::Traits::kCmdBufferCompatible});
+
+JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cudnn_bwd, jax_sdpa::CudnnBwd,
+                           jax_sdpa::bind_cudnn_bwd(jax_sdpa::cudnn_context()),
+                           jax_sdpa::kServedFeatures, {ffi::Traits::kCmdBufferCompatible});
