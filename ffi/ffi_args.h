@@ -71,81 +71,6 @@ auto bind_sdpa_attrs(Binding binding) {
   return std::move(binding).template Attrs<SdpaAttrs>();
 }
 
-// The forward's operands and its two contract results (a handler with extra results, such
-// as the decode kernel's workspace, appends them before the attributes).
-template <typename Binding>
-auto bind_sdpa_fwd_buffers(Binding&& binding) {  // by reference: Binding can't be moved
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()   // q
-      .template Arg<ffi::AnyBuffer>()   // k
-      .template Arg<ffi::AnyBuffer>()   // v
-      .template Arg<ffi::AnyBuffer>()   // mask
-      .template Arg<ffi::AnyBuffer>()   // sinks
-      .template Arg<ffi::AnyBuffer>()   // q_lengths
-      .template Arg<ffi::AnyBuffer>()   // kv_lengths
-      .template Arg<ffi::AnyBuffer>()   // q_segment_ids
-      .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
-      .template Ret<ffi::AnyBuffer>()   // out
-      .template Ret<ffi::AnyBuffer>();  // lse
-}
-
-// The complete bindings of the two custom calls -- operands, results and attributes in
-// the contract's order -- appended to whatever context a handler binds first
-// (e.g. ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()).
-template <typename Binding>
-auto bind_sdpa_fwd(Binding binding) {
-  return bind_sdpa_attrs(bind_sdpa_fwd_buffers(std::move(binding)));
-}
-
-// The backward's operands and its three contract results (a handler with extra results
-// appends them before the attributes).
-template <typename Binding>
-auto bind_sdpa_bwd_buffers(Binding&& binding) {  // by reference: Binding can't be moved
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()   // q
-      .template Arg<ffi::AnyBuffer>()   // k
-      .template Arg<ffi::AnyBuffer>()   // v
-      .template Arg<ffi::AnyBuffer>()   // out
-      .template Arg<ffi::AnyBuffer>()   // lse
-      .template Arg<ffi::AnyBuffer>()   // dout
-      .template Arg<ffi::AnyBuffer>()   // mask
-      .template Arg<ffi::AnyBuffer>()   // sinks
-      .template Arg<ffi::AnyBuffer>()   // q_lengths
-      .template Arg<ffi::AnyBuffer>()   // kv_lengths
-      .template Arg<ffi::AnyBuffer>()   // q_segment_ids
-      .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
-      .template Ret<ffi::AnyBuffer>()   // dq
-      .template Ret<ffi::AnyBuffer>()   // dk
-      .template Ret<ffi::AnyBuffer>();  // dv
-}
-
-template <typename Binding>
-auto bind_sdpa_bwd(Binding binding) {
-  return bind_sdpa_attrs(bind_sdpa_bwd_buffers(std::move(binding)));
-}
-
-// The paged forward `jax_sdpa_<backend>_paged_fwd` (docs/ffi_contract.md, "Paged KV"):
-// q, k_pages, v_pages, page_indices, kv_lengths, sinks -> out, lse, then the attributes (a
-// handler with extra results, such as the decode kernel's workspace, binds the buffers
-// with bind_sdpa_paged_fwd_buffers, appends them, then bind_sdpa_attrs).
-template <typename Binding>
-auto bind_sdpa_paged_fwd_buffers(Binding&& binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()   // q
-      .template Arg<ffi::AnyBuffer>()   // k_pages
-      .template Arg<ffi::AnyBuffer>()   // v_pages
-      .template Arg<ffi::AnyBuffer>()   // page_indices
-      .template Arg<ffi::AnyBuffer>()   // kv_lengths
-      .template Arg<ffi::AnyBuffer>()   // sinks
-      .template Ret<ffi::AnyBuffer>()   // out
-      .template Ret<ffi::AnyBuffer>();  // lse
-}
-
-template <typename Binding>
-auto bind_sdpa_paged_fwd(Binding binding) {
-  return bind_sdpa_attrs(bind_sdpa_paged_fwd_buffers(std::move(binding)));
-}
-
 // Values of the kv_layout attribute (paged targets).
 enum : int64_t {
   kKvLayoutHeadMajor = 0,  // "PHSD": pages [P, Hk, S, D]
@@ -237,6 +162,34 @@ inline ffi::Error expect_same(const char* name, ffi::AnyBuffer::Dimensions got,
   if (!same)
     return invalid(std::string(name) + " has shape " + dims_str(got) + ", expected " +
                    dims_str(want) + " (like " + like + ")");
+  return ffi::Error::Success();
+}
+
+
+// An optional [B] int32 lengths operand (q_lengths / kv_lengths) into *out (null when absent).
+inline ffi::Error unpack_lengths(const char* name, bool has, const ffi::AnyBuffer& buf,
+                                 int64_t batch, const int32_t** out) {
+  *out = nullptr;
+  if (!has) return ffi::Error::Success();
+  auto d = buf.dimensions();
+  if (buf.element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != batch)
+    return invalid(std::string(name) + " must be int32 [B=" + std::to_string(batch) +
+                   "], got " + typed_dims_str(buf.element_type(), d));
+  *out = static_cast<const int32_t*>(buf.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The optional sinks [1 or B, Hq] float32 into p (p->batch and p->heads_q already set).
+inline ffi::Error unpack_sinks(bool has, const ffi::AnyBuffer& sinks, SdpaParams* p) {
+  p->sinks = nullptr;
+  if (!has) return ffi::Error::Success();
+  auto sd = sinks.dimensions();
+  if (sinks.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[1] != p->heads_q ||
+      (sd[0] != 1 && sd[0] != p->batch))
+    return invalid("sinks must be float32 [1 or B, Hq], got " +
+                   typed_dims_str(sinks.element_type(), sd));
+  p->sinks = static_cast<const float*>(sinks.untyped_data());
+  p->sinks_batch_stride = (sd[0] == 1 && p->batch != 1) ? 0 : p->heads_q;
   return ffi::Error::Success();
 }
 
@@ -361,32 +314,14 @@ inline ffi::Error unpack_inputs(const SdpaAttrs& a, const ffi::AnyBuffer& q,
     p->mask = mask.untyped_data();
   }
 
-  p->sinks = nullptr;
-  if (a.has_sinks) {
-    auto sd = sinks.dimensions();
-    if (sinks.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[1] != p->heads_q ||
-        (sd[0] != 1 && sd[0] != p->batch))
-      return invalid("sinks must be float32 [1 or B, Hq], got " +
-                     detail::typed_dims_str(sinks.element_type(), sd));
-    p->sinks = static_cast<const float*>(sinks.untyped_data());
-    p->sinks_batch_stride = (sd[0] == 1 && p->batch != 1) ? 0 : p->heads_q;
-  }
+  if (auto e = detail::unpack_sinks(a.has_sinks, sinks, p); e.failure()) return e;
 
-  auto unpack_lengths = [&](const char* name, bool has, const ffi::AnyBuffer& buf,
-                            const int32_t** out) -> ffi::Error {
-    *out = nullptr;
-    if (!has) return ffi::Error::Success();
-    auto d = buf.dimensions();
-    if (buf.element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != p->batch)
-      return invalid(std::string(name) + " must be int32 [B=" + std::to_string(p->batch) +
-                     "], got " + detail::typed_dims_str(buf.element_type(), d));
-    *out = static_cast<const int32_t*>(buf.untyped_data());
-    return ffi::Error::Success();
-  };
-  if (auto e = unpack_lengths("q_lengths", a.has_q_lengths, q_lengths, &p->q_lengths);
+  if (auto e = detail::unpack_lengths("q_lengths", a.has_q_lengths, q_lengths, p->batch,
+                                      &p->q_lengths);
       e.failure())
     return e;
-  if (auto e = unpack_lengths("kv_lengths", a.has_kv_lengths, kv_lengths, &p->kv_lengths);
+  if (auto e = detail::unpack_lengths("kv_lengths", a.has_kv_lengths, kv_lengths, p->batch,
+                                      &p->kv_lengths);
       e.failure())
     return e;
 
@@ -559,10 +494,9 @@ inline ffi::Error unpack_paged_forward(const SdpaAttrs& a, const ffi::AnyBuffer&
     return invalid("page_indices must be int32 [B=" + std::to_string(qs.b) +
                    ", pages_per_seq >= 1], got " +
                    detail::typed_dims_str(page_indices.element_type(), pd));
-  auto ld = kv_lengths.dimensions();
-  if (kv_lengths.element_type() != ffi::DataType::S32 || ld.size() != 1 || ld[0] != qs.b)
-    return invalid("kv_lengths must be int32 [B=" + std::to_string(qs.b) + "], got " +
-                   detail::typed_dims_str(kv_lengths.element_type(), ld));
+  if (auto e = detail::unpack_lengths("kv_lengths", true, kv_lengths, qs.b, &p->kv_lengths);
+      e.failure())
+    return e;
 
   p->batch = qs.b;
   p->heads_q = qs.h;
@@ -585,23 +519,13 @@ inline ffi::Error unpack_paged_forward(const SdpaAttrs& a, const ffi::AnyBuffer&
   page_strides(head_dim, p->k_stride);
   page_strides(head_dim_v, p->v_stride);
   p->page_indices = static_cast<const int32_t*>(page_indices.untyped_data());
-  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
   p->q_lengths = nullptr;
   p->q_segment_ids = p->kv_segment_ids = nullptr;
   p->mask_kind = MaskKind::kNone;
   p->mask = nullptr;
 
   if (auto e = unpack_scalar_attrs(a, p); e.failure()) return e;
-  p->sinks = nullptr;
-  if (a.has_sinks) {
-    auto sd = sinks.dimensions();
-    if (sinks.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[1] != p->heads_q ||
-        (sd[0] != 1 && sd[0] != p->batch))
-      return invalid("sinks must be float32 [1 or B, Hq], got " +
-                     detail::typed_dims_str(sinks.element_type(), sd));
-    p->sinks = static_cast<const float*>(sinks.untyped_data());
-    p->sinks_batch_stride = (sd[0] == 1 && p->batch != 1) ? 0 : p->heads_q;
-  }
+  if (auto e = detail::unpack_sinks(a.has_sinks, sinks, p); e.failure()) return e;
 
   if (auto e = check_like("out", out.dimensions(), out.element_type(), q, "q", head_dim_v);
       e.failure())
@@ -665,9 +589,9 @@ inline bool poison_outputs_requested() {
 
 // Host-memory handlers (CPU, Metal): the poisoning itself. Empty buffers are skipped (they
 // may have no address).
-inline void poison_host_outputs(std::initializer_list<ffi::AnyBuffer*> results) {
+inline void poison_host_outputs(std::initializer_list<const ffi::AnyBuffer*> results) {
   if (!poison_outputs_requested()) return;
-  for (ffi::AnyBuffer* r : results)
+  for (const ffi::AnyBuffer* r : results)
     if (r->size_bytes() > 0) std::memset(r->untyped_data(), 0xff, r->size_bytes());
 }
 

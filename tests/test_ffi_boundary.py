@@ -92,6 +92,16 @@ def _f32(shape):
     return _arr(shape, np.float32)
 
 
+def _without_last_operand(call):
+    operands, results, attrs = call
+    return operands[:-1], results, attrs
+
+
+def _with_extra_result(call):
+    operands, results, attrs = call
+    return operands, [*results, _spec((16,), np.uint8)], attrs
+
+
 def _paged(b=2, hq=4, hk=2, lq=3, d=8, dv=8, page_size=4, pps=3, num_pages=7, layout=0,
            q=None, k_pages=None, v_pages=None, idx=None, kvl=None, sinks=None, out=None,
            lse=None, **attrs):
@@ -207,6 +217,12 @@ CASES = {
     "bwd_dv_dtype": ("bwd", lambda d: d(results=[_spec((1, 2, 5, 8)), _spec((1, 1, 7, 8)),
                                                  _spec((1, 1, 7, 8), np.float16)]),
                      r"dv has dtype float16, v float32"),
+    # the number of buffers
+    "operand_missing": ("both", lambda d: _without_last_operand(d()),
+                        r"takes (9|12) operands and (2|3) results \(docs/ffi_contract.md\), "
+                        r"got (8|11) and (2|3)"),
+    "result_extra": ("both", lambda d: _with_extra_result(d()),
+                     r"takes (9|12) operands and (2|3) results .*got (9|12) and (3|4)"),
     # dtypes
     "q_int32": ("both", lambda d: d(dtype=np.int32),
                 r"q must be float32, float16 or bfloat16, got int32"),

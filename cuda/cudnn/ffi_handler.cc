@@ -1,7 +1,7 @@
 // XLA FFI handlers jax_sdpa_cudnn_fwd / jax_sdpa_cudnn_bwd (platform "CUDA"), and
 // jax_sdpa_cudnn_fwd_no_lse: the forward of a call whose lse nobody reads (its lse result is
 // f32 [0]; cuDNN skips its softmax stats where the row fix-up doesn't need them).
-// Unpack + check the call (ffi/ffi_args.h), then run the cuDNN graphs in
+// Unpack + check the call (ffi/ffi_call.h), then run the cuDNN graphs in
 // cuda/cudnn/cudnn_sdpa.cc. Each target returns a uint8 workspace after its contract results,
 // sized at lowering by cudnn::scratch_bytes (the `cudnn_workspace_bytes` binding): the
 // graphs' scratch comes out of it, so the handlers only enqueue stream work and are declared
@@ -18,7 +18,7 @@
 #include "cuda/cudnn/cudnn_sdpa.h"
 #include "ffi/registry.h"
 #include "ffi/cuda_ffi_util.h"
-#include "ffi/ffi_args.h"
+#include "ffi/ffi_call.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sdpa {
@@ -89,48 +89,28 @@ ffi::Error to_ffi(const cudnn::Status& st) {
 }
 
 template <bool kLseWanted>
-ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
-                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                    ffi::Result<ffi::AnyBuffer> workspace, SdpaAttrs attrs) {
-  SdpaParams p;
-  SdpaFwdBuffers b;
-  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                            kv_segment_ids};
-  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &b, kLseWanted);
+ffi::Error CudnnFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, SdpaAttrs attrs) {
+  ForwardCall c;
+  if (auto e = unpack_forward_call(attrs, args, rets, 1, kServedFeatures, "cudnn", &c,
+                                   kLseWanted);
       e.failure())
     return e;
-  if (auto e = refuse_unserved(p, kServedFeatures, "cudnn"); e.failure()) return e;
-
-  if (auto e = poison_outputs("cudnn", stream, {&*out, &*lse}); e.failure()) return e;
-
-  CallScratch s(*workspace, scratch, stream);
-  return s.explain(to_ffi(cudnn::sdpa_forward(p, b, stream, s)));
+  if (auto e = poison_outputs("cudnn", stream, {&c.out(), &c.lse()}); e.failure()) return e;
+  CallScratch s(c.extra(), scratch, stream);
+  return s.explain(to_ffi(cudnn::sdpa_forward(c.p, c.buf, stream, s)));
 }
 
-ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
-                    ffi::AnyBuffer dout, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
-                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace,
-                    SdpaAttrs attrs) {
-  SdpaParams p;
-  SdpaBwdBuffers b;
-  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                            kv_segment_ids};
-  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, opt, *dq, *dk, *dv, &p, &b);
+ffi::Error CudnnBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, SdpaAttrs attrs) {
+  BackwardCall c;
+  if (auto e = unpack_backward_call(attrs, args, rets, 1, kServedFeatures, "cudnn", &c);
       e.failure())
     return e;
-  if (auto e = refuse_unserved(p, kServedFeatures, "cudnn"); e.failure()) return e;
-
-  if (auto e = poison_outputs("cudnn", stream, {&*dq, &*dk, &*dv}); e.failure()) return e;
-
-  CallScratch s(*workspace, scratch, stream);
-  return s.explain(to_ffi(cudnn::sdpa_backward(p, b, stream, s)));
+  if (auto e = poison_outputs("cudnn", stream, {&c.dq(), &c.dk(), &c.dv()}); e.failure())
+    return e;
+  CallScratch s(c.extra(), scratch, stream);
+  return s.explain(to_ffi(cudnn::sdpa_backward(c.p, c.buf, stream, s)));
 }
 
 }  // namespace
@@ -141,32 +121,22 @@ namespace ffi = xla::ffi;
 namespace jax_sdpa {
 namespace {
 
-// The contract's bindings with the workspace result appended (before the attributes).
-template <typename Binding>
-auto bind_cudnn_fwd(Binding binding) {
-  return bind_sdpa_attrs(bind_sdpa_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());
-}
-
-template <typename Binding>
-auto bind_cudnn_bwd(Binding binding) {
-  return bind_sdpa_attrs(bind_sdpa_bwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());
-}
-
-auto cudnn_context() {
-  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>();
+auto cudnn_call() {
+  return bind_call(
+      ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>());
 }
 
 }  // namespace
 }  // namespace jax_sdpa
 
 JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cudnn_fwd, jax_sdpa::CudnnFwd<true>,
-                           jax_sdpa::bind_cudnn_fwd(jax_sdpa::cudnn_context()),
+                           jax_sdpa::cudnn_call(),
                            jax_sdpa::kServedFeatures, {ffi::Traits::kCmdBufferCompatible});
 
 JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cudnn_fwd_no_lse, jax_sdpa::CudnnFwd<false>,
-                           jax_sdpa::bind_cudnn_fwd(jax_sdpa::cudnn_context()),
+                           jax_sdpa::cudnn_call(),
                            jax_sdpa::kServedFeatures, {ffi::Traits::kCmdBufferCompatible});
 
 JAX_SDPA_DEFINE_FFI_TARGET(jax_sdpa_cudnn_bwd, jax_sdpa::CudnnBwd,
-                           jax_sdpa::bind_cudnn_bwd(jax_sdpa::cudnn_context()),
+                           jax_sdpa::cudnn_call(),
                            jax_sdpa::kServedFeatures, {ffi::Traits::kCmdBufferCompatible});

@@ -239,6 +239,28 @@ __device__ __forceinline__ int64_t out_offset(const Args& a, int b, int h, int i
 // lse) into per-warp coefficients, so that the wide pass over the block's RB x DV
 // outputs is W float4 loads and FMAs per 4 outputs. XW more warps (after the W that
 // computed: decode_tma_kernel's producer) pass the barriers and take no work.
+
+// Row rr of a block's W warps merged: the row max M (returned), each warp's weight
+// f[w] (registers or shared memory) = 2^(m_w - M) and the merged sum *L = sum_w f[w] l_w, from the warps' maxima red_m and
+// sums red_l ([W][16]). Not skipped when M = -inf: a warp whose scores were all NaN has max
+// -inf and a NaN sum, which must reach L (f = 0 there, and 0 * NaN is NaN).
+template <int W>
+__device__ __forceinline__ float merge_warp_stats(const float* red_m, const float* red_l, int rr,
+                                                  float* f, float* L) {
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const float mw = red_m[w * 16 + rr];
+    const float fw = mw == -INFINITY ? 0.f : exp2f(mw - M);
+    f[w] = fw;
+    sum += fw * red_l[w * 16 + rr];
+  }
+  *L = sum;
+  return M;
+}
 template <typename T, int DV, int W, int XW = 0>
 __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, int b,
                                              int kvh, int r0, int split, int qlen) {
@@ -261,18 +283,8 @@ __device__ __forceinline__ void block_finish(const Args& a, float* red, int RB, 
       const HeadQuery hq = head_query(a, kvh, r);
       const int h = hq.h, i = hq.i;
       const int64_t grow = (static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i;
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
-      // Not skipped when M = -inf: a warp whose scores were all NaN has max -inf and a NaN
-      // sum, which must reach L (f = 0 there, and 0 * NaN is NaN).
-      float L = 0.f;
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float mw = red_m[w * 16 + rr];
-        f[w] = mw == -INFINITY ? 0.f : exp2f(mw - M);
-        L += f[w] * red_l[w * 16 + rr];
-      }
+      float L;
+      const float M = merge_warp_stats<W>(red_m, red_l, rr, f, &L);
       float scale, lse;
       if (a.nsplit == 1) {
         row_normalizer(a, b, h, i, qlen, M, L, &scale, &lse);

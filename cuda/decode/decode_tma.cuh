@@ -206,18 +206,8 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
   __shared__ float s_coef[16][W];
   if (threadIdx.x < RB) {
     const int rr = threadIdx.x;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < W; ++w) M = fmaxf(M, red_m[w * 16 + rr]);
-    float L = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float mw = red_m[w * 16 + rr];
-      // M = -inf too: a warp of NaN scores (max -inf, NaN sum) must make L NaN.
-      const float f = mw == -INFINITY ? 0.f : exp2f(mw - M);
-      s_coef[rr][w] = f;
-      L += f * red_l[w * 16 + rr];
-    }
+    float L;
+    const float M = merge_warp_stats<W>(red_m, red_l, rr, s_coef[rr], &L);
     pm[rr] = M;
     pl[rr] = L;
   }

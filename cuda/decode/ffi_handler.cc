@@ -19,7 +19,7 @@
 #include "cuda/flash/flash_attention.h"
 #include "ffi/registry.h"
 #include "ffi/cuda_ffi_util.h"
-#include "ffi/ffi_args.h"
+#include "ffi/ffi_call.h"
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,14 +34,6 @@ namespace {
 constexpr uint32_t kServedFeatures = kFeatureSegmentIds | kFeatureLogitsSoftCap;
 
 namespace ffi = xla::ffi;
-
-// bind_sdpa_fwd's binding (operands, out, lse, the contract's attributes) with the
-// workspace result after lse.
-template <typename Binding>
-auto bind_decode_fwd(Binding binding) {
-  return bind_sdpa_attrs(
-      bind_sdpa_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());  // workspace
-}
 
 // Plans and launches our decode kernels (contiguous or paged K/V) into the call's
 // workspace result.
@@ -76,21 +68,16 @@ ffi::Error run_decode(const SdpaParams& p, const SdpaFwdBuffers& buf, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer mask, ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
-                       ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                        SdpaAttrs attrs) {
-  SdpaParams p;
-  SdpaFwdBuffers buf;
-  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                            kv_segment_ids};
-  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &buf); e.failure())
+  ForwardCall c;
+  if (auto e = unpack_forward_call(attrs, args, rets, 1, kServedFeatures, "cuda decode", &c);
+      e.failure())
     return e;
-  if (auto e = refuse_unserved(p, kServedFeatures, "cuda decode"); e.failure()) return e;
+  const SdpaParams& p = c.p;
+  const SdpaFwdBuffers& buf = c.buf;
   if (auto e = refuse_or_poison("cuda decode", cuda_decode::unsupported_reason(p), stream,
-                                {&*out, &*lse});
+                                {&c.out(), &c.lse()});
       e.failure())
     return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
@@ -105,7 +92,7 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     return ffi::Error::Success();
   }
 
-  return run_decode(p, buf, *workspace, stream, "cuda decode");
+  return run_decode(p, buf, c.extra(), stream, "cuda decode");
 }
 
 // ---- the paged forward `jax_sdpa_cuda_paged_fwd` ----------------------------------------
@@ -118,31 +105,22 @@ ffi::Error CudaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 // length are never read. Soft-capping is served, segment ids can't reach a paged call.
 constexpr uint32_t kPagedServedFeatures = kFeatureLogitsSoftCap;
 
-template <typename Binding>
-auto bind_paged_fwd(Binding binding) {
-  return bind_sdpa_attrs(
-      bind_sdpa_paged_fwd_buffers(std::move(binding)).template Ret<ffi::AnyBuffer>());
-}
-
-ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                            ffi::AnyBuffer v_pages, ffi::AnyBuffer page_indices,
-                            ffi::AnyBuffer kv_lengths, ffi::AnyBuffer sinks,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            ffi::Result<ffi::AnyBuffer> workspace, SdpaAttrs attrs) {
-  SdpaParams p;
-  SdpaFwdBuffers buf;
-  if (auto e = unpack_paged_forward(attrs, q, k_pages, v_pages, page_indices, kv_lengths, sinks,
-                                    *out, *lse, &p, &buf);
+ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets, SdpaAttrs attrs) {
+  PagedForwardCall c;
+  if (auto e = unpack_paged_forward_call(attrs, args, rets, 1, kPagedServedFeatures,
+                                         "cuda paged", &c);
       e.failure())
     return e;
-  if (auto e = refuse_unserved(p, kPagedServedFeatures, "cuda paged"); e.failure()) return e;
+  const SdpaParams& p = c.p;
+  const SdpaFwdBuffers& buf = c.buf;
   if (auto e = refuse_or_poison("cuda paged", cuda_flash::unsupported_reason(p), stream,
-                                {&*out, &*lse});
+                                {&c.out(), &c.lse()});
       e.failure())
     return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
   if (p.features() == 0 && cuda_decode::paged_unsupported_reason(p).empty())
-    return run_decode(p, buf, *workspace, stream, "cuda paged");
+    return run_decode(p, buf, c.extra(), stream, "cuda paged");
   (void)cudaGetLastError();
   // fp32: split-TF32, as accurate as the decode kernels' fp32 FMAs.
   cudaError_t e = cuda_flash::launch_forward(p, buf, cuda_flash::Fp32Mode::kHighest, stream);
@@ -155,12 +133,11 @@ ffi::Error CudaPagedFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_fwd, jax_sdpa::CudaFwdImpl,
-    jax_sdpa::bind_decode_fwd(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    jax_sdpa::bind_call(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     jax_sdpa::kServedFeatures, {xla::ffi::Traits::kCmdBufferCompatible});
 
 JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_paged_fwd, jax_sdpa::CudaPagedFwdImpl,
-    jax_sdpa::bind_paged_fwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    jax_sdpa::bind_call(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     jax_sdpa::kPagedServedFeatures, {xla::ffi::Traits::kCmdBufferCompatible});
 

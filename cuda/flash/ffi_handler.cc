@@ -16,7 +16,7 @@
 #include "ffi/tuning_knobs.h"
 #include "cuda/flash/flash_attention.h"
 #include "ffi/cuda_ffi_util.h"
-#include "ffi/ffi_args.h"
+#include "ffi/ffi_call.h"
 #include "ffi/sdpa_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,56 +49,42 @@ cuda_flash::Fp32Mode fp32_mode(const SdpaAttrs& attrs) {
                                             : cuda_flash::Fp32Mode::kTf32;
 }
 
-ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer sinks,
-                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                            ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            SdpaAttrs attrs) {
-  SdpaParams p;
-  SdpaFwdBuffers buf;
-  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                            kv_segment_ids};
-  if (auto e = unpack_forward(attrs, q, k, v, opt, *out, *lse, &p, &buf); e.failure())
+ffi::Error CudaFlashFwdImpl(cudaStream_t stream, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets, SdpaAttrs attrs) {
+  ForwardCall c;
+  if (auto e = unpack_forward_call(attrs, args, rets, 0, kServedFeatures, "cuda flash", &c);
+      e.failure())
     return e;
-  if (auto e = refuse_unserved(p, kServedFeatures, "cuda flash"); e.failure()) return e;
+  const SdpaParams& p = c.p;
   if (auto e = refuse_or_poison("cuda flash", cuda_flash::unsupported_reason(p), stream,
-                                {&*out, &*lse});
+                                {&c.out(), &c.lse()});
       e.failure())
     return e;
   if (p.batch * p.heads_q * p.len_q == 0) return ffi::Error::Success();
 
   (void)cudaGetLastError();  // clear a stale error so the launch check reports ours
-  cudaError_t e = cuda_flash::launch_forward(p, buf, fp32_mode(attrs), stream);
+  cudaError_t e = cuda_flash::launch_forward(p, c.buf, fp32_mode(attrs), stream);
   if (e != cudaSuccess) return cuda_error("cuda flash", "forward launch", e);
   return ffi::Error::Success();
 }
 
-ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-                            ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer mask,
-                            ffi::AnyBuffer sinks, ffi::AnyBuffer q_lengths,
-                            ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                            ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> dq,
-                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                            SdpaAttrs attrs) {
-  SdpaParams p;
-  SdpaBwdBuffers buf;
-  const OptionalOperands opt{mask, sinks, q_lengths, kv_lengths, q_segment_ids,
-                            kv_segment_ids};
-  if (auto e = unpack_backward(attrs, q, k, v, out, lse, dout, opt, *dq, *dk, *dv, &p, &buf);
+ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                            ffi::RemainingArgs args, ffi::RemainingRets rets, SdpaAttrs attrs) {
+  BackwardCall c;
+  if (auto e = unpack_backward_call(attrs, args, rets, 0, kServedFeatures, "cuda flash", &c);
       e.failure())
     return e;
-  if (auto e = refuse_unserved(p, kServedFeatures, "cuda flash"); e.failure()) return e;
+  const SdpaParams& p = c.p;
   if (auto e = refuse_or_poison("cuda flash", cuda_flash::unsupported_reason(p), stream,
-                                {&*dq, &*dk, &*dv});
+                                {&c.dq(), &c.dk(), &c.dv()});
       e.failure())
     return e;
-  if (dq->size_bytes() + dk->size_bytes() + dv->size_bytes() == 0) return ffi::Error::Success();
+  if (c.dq().size_bytes() + c.dk().size_bytes() + c.dv().size_bytes() == 0)
+    return ffi::Error::Success();
   if (static_cast<int64_t>(p.batch) * p.heads_q * p.len_q * p.len_kv == 0) {
     // no query meets a key (e.g. zero query heads): every gradient is 0, and no kernel's
     // grid covers dk / dv then
-    for (ffi::AnyBuffer* g : {&*dq, &*dk, &*dv}) {
+    for (const ffi::AnyBuffer* g : {&c.dq(), &c.dk(), &c.dv()}) {
       cudaError_t e = cudaMemsetAsync(g->untyped_data(), 0, g->size_bytes(), stream);
       if (e != cudaSuccess) return cuda_error("cuda flash", "zeroing the gradients", e);
     }
@@ -111,7 +97,7 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
       err.failure())
     return err;
   (void)cudaGetLastError();
-  cudaError_t e = cuda_flash::launch_backward(p, buf, fp32_mode(attrs), work, stream);
+  cudaError_t e = cuda_flash::launch_backward(p, c.buf, fp32_mode(attrs), work, stream);
   if (e != cudaSuccess) return cuda_error("cuda flash", "backward launch", e);
   return ffi::Error::Success();
 }
@@ -121,14 +107,13 @@ ffi::Error CudaFlashBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
 
 JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_flash_fwd, jax_sdpa::CudaFlashFwdImpl,
-    jax_sdpa::bind_sdpa_fwd(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    jax_sdpa::bind_call(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     jax_sdpa::kServedFeatures);
 
 JAX_SDPA_DEFINE_FFI_TARGET(
     jax_sdpa_cuda_flash_bwd, jax_sdpa::CudaFlashBwdImpl,
-    jax_sdpa::bind_sdpa_bwd(xla::ffi::Ffi::Bind()
-                                .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<xla::ffi::ScratchAllocator>()),
+    jax_sdpa::bind_call(xla::ffi::Ffi::Bind()
+                            .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                            .Ctx<xla::ffi::ScratchAllocator>()),
     jax_sdpa::kServedFeatures);
 

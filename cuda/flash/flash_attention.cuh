@@ -259,6 +259,40 @@ __device__ __forceinline__ RowLengths row_lengths(const FwdArgs& a, int b) {
   return r;
 }
 
+// What a forward block of the flash skeleton works on: query tile gridDim.x - 1 - blockIdx.x
+// (the heaviest, causal, first) of batch row blockIdx.z and query head blockIdx.y, its row
+// lengths and diagonal offset, the bases of its Q, K and V, and the kBN-key tiles that a
+// valid row of its kBM rows may see (n_tiles from kb_begin).
+template <typename T>
+struct ForwardBlock {
+  int h, b, hk, q0, qlen, kvlen;
+  int64_t offset;
+  const T *Q, *K, *V;
+  int kb_begin, n_tiles;
+};
+
+template <typename T, int kBM, int kBN>
+__device__ __forceinline__ ForwardBlock<T> forward_block(const FwdArgs& a) {
+  ForwardBlock<T> f;
+  const int q_tile = gridDim.x - 1 - blockIdx.x;
+  f.h = blockIdx.y;
+  f.b = blockIdx.z;
+  f.hk = f.h / a.G;
+  f.q0 = q_tile * kBM;
+  const RowLengths len = row_lengths(a, f.b);
+  f.qlen = len.qlen;
+  f.kvlen = len.kvlen;
+  f.offset = len.offset;
+  f.Q = static_cast<const T*>(a.q) + f.b * a.qs[0] + f.h * a.qs[1];
+  f.K = static_cast<const T*>(a.k) + f.b * a.ks[0] + f.hk * a.ks[1];
+  f.V = static_cast<const T*>(a.v) + f.b * a.vs[0] + f.hk * a.vs[1];
+  int key_lo, key_hi;
+  tile_key_range(a, f.q0, kBM, f.qlen, f.kvlen, f.offset, &key_lo, &key_hi);
+  f.kb_begin = (key_lo / kBN) * kBN;
+  f.n_tiles = key_hi > f.kb_begin ? (key_hi - f.kb_begin + kBN - 1) / kBN : 0;
+  return f;
+}
+
 // Whether query row i may see key j by the lengths and the band (masks and segment ids
 // aside).
 __device__ __forceinline__ bool band_visible(const FwdArgs& a, int i, int j, int qlen, int kvlen,

@@ -82,23 +82,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_wgmma_kernel(const FwdA
   const int g = lane / 4, t = lane % 4;
   const int wg = warp >> 2;                 // warpgroup: key half of S, column half of O
   const int rl0 = (warp & 3) * 16 + g;      // this thread's rows in the block: rl0, rl0 + 8
-  const int q_tile = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / a.G;
-  const int q0 = q_tile * kBM;
-
-  const RowLengths len = row_lengths(a, b);
-  const int qlen = len.qlen, kvlen = len.kvlen;
-  const int64_t offset = len.offset;
-
-  const T* Q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
-  const T* K = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
-  const T* V = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
-
-  int key_lo, key_hi;
-  tile_key_range(a, q0, kBM, qlen, kvlen, offset, &key_lo, &key_hi);
-  const int kb_begin = (key_lo / kBN) * kBN;
-  const int n_tiles = key_hi > kb_begin ? (key_hi - kb_begin + kBN - 1) / kBN : 0;
+  const ForwardBlock<T> blk = forward_block<T, kBM, kBN>(a);
+  const int h = blk.h, b = blk.b, q0 = blk.q0, qlen = blk.qlen, kvlen = blk.kvlen;
+  const int64_t offset = blk.offset;
+  const T *Q = blk.Q, *K = blk.K, *V = blk.V;
+  const int kb_begin = blk.kb_begin, n_tiles = blk.n_tiles;
 
   // cp.async groups, oldest first: {Q, K_0}, {V_0}, then per tile {K_j+1}, {V_j+1}: so
   // before QK and before PV "all but the newest group" is the operand needed.
