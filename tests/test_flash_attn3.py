@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_sdpa
-from jax_sdpa import flash_attn3, oracle
+from jax_sdpa import flash_attn3, oracle, tuning
 
 
 def _cfg(dtype="bfloat16", b=2, hq=8, hk=2, lq=1024, lk=None, d=128, dv=None,
@@ -391,7 +391,12 @@ def test_packed_against_the_oracle(case, causal, impl):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     text = grad.lower(q, k, v).as_text()
-    assert "flash_mha_fwd" in text and "flash_mha_bwd" in text
+    # None: FlashAttention-3 goes first from the keys its tuning row gives per direction and
+    # band (a shorter forward runs cuDNN, here with the ids as its mask).
+    first = tuning.FLASH_ATTN3_FIRST
+    band = "causal" if causal else "none"
+    assert ("flash_mha_fwd" in text) == (impl == "flash_attn3" or length >= first["fwd"][band])
+    assert "flash_mha_bwd" in text
     (dq, dk, dv), out = grad(q, k, v)
     kw = dict(scale=1 / np.sqrt(128), window_right=0 if causal else -1, seq_major=True,
               q_segment_ids=q_ids, kv_segment_ids=kv_ids)
