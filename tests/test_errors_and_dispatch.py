@@ -560,6 +560,60 @@ def test_wgmma_flash_needs_hopper_and_its_knob(fake_h200, monkeypatch, direction
         assert picks is None or picks() == "xla"
 
 
+def test_cudnn_workspace_binding_unpacks_the_call_as_the_handler(cuda_module):
+    """`cudnn_workspace_bytes` reads the call from shapes with the handler's own unpacking:
+    a bad result shape comes back as the handler's message, a wrong count raises; a good
+    call is sized (bytes, '') on a GPU, or says why not (bytes 0) without one."""
+    from jax_sdpa import primitives
+    from jax_sdpa.config import StaticParams
+    attrs = {k: v.item() if isinstance(v, np.generic) else v for k, v in primitives.ffi_attrs(
+        StaticParams(scale=0.125, window_right=0), dict(
+            has_mask=False, has_sinks=False, has_q_lengths=False, has_kv_lengths=False,
+            has_segment_ids=False)).items()}
+    x = ((2, 4, 128, 64), "bfloat16")
+    operands = [x, x, x, ((0,), "float32"), ((0,), "float32")] + [((0,), "int32")] * 4
+    lse = ((2, 4, 128), "float32")
+    bytes_, why = cuda_module.cudnn_workspace_bytes(False, True, operands, [x, lse], attrs)
+    assert (bytes_ > 0 and why == "") or (bytes_ == 0 and why), (bytes_, why)
+    bytes_, why = cuda_module.cudnn_workspace_bytes(
+        False, True, operands, [x, ((2, 4, 129), "float32")], attrs)
+    assert bytes_ == 0 and "lse must be float32 [B, Hq, Lq] = [2, 4, 128]" in why, why
+    bytes_, why = cuda_module.cudnn_workspace_bytes(False, False, operands, [x, lse], attrs)
+    assert bytes_ == 0 and "returns no lse" in why, why  # the no-lse form takes f32 [0]
+    with pytest.raises(ValueError, match="expected 9 operands and 2 results"):
+        cuda_module.cudnn_workspace_bytes(False, True, operands[:8], [x, lse], attrs)
+
+
+def test_cudnn_calls_carry_a_workspace_and_no_lse_form(fake_h200):
+    """Exported for the cuda platform: every cuDNN custom call returns a uint8 workspace after
+    its contract results (256 bytes here, where no GPU sizes it: the handler tops it up
+    outside CUDA-graph capture), and the forward whose lse nobody reads returns f32 [0] in
+    lse's place."""
+    from jax import export
+    targets = ("jax_sdpa_cudnn_fwd", "jax_sdpa_cudnn_fwd_no_lse", "jax_sdpa_cudnn_bwd")
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    x = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)  # D64: cuDNN for None
+
+    def results(fn):
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(x, x, x)
+        return {line.split("@")[1].split("(")[0]: line.rsplit("->", 1)[1]
+                for line in _custom_calls(exp.mlir_module())}
+
+    def attention(q, k, v):
+        return jax_sdpa.dot_product_attention(q, k, v, is_causal=True)
+
+    got = results(attention)
+    assert list(got) == ["jax_sdpa_cudnn_fwd_no_lse"], got
+    assert re.search(r"tensor<2x128x4x64xbf16>, tensor<0xf32>, tensor<256xui8>",
+                     got["jax_sdpa_cudnn_fwd_no_lse"]), got
+    got = results(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
+                           argnums=(0, 1, 2)))
+    assert sorted(got) == ["jax_sdpa_cudnn_bwd", "jax_sdpa_cudnn_fwd"], got
+    assert re.search(r"tensor<2x4x128xf32>, tensor<256xui8>", got["jax_sdpa_cudnn_fwd"]), got
+    assert re.search(r"(tensor<2x128x4x64xbf16>, ){3}tensor<256xui8>",
+                     got["jax_sdpa_cudnn_bwd"]), got
+
+
 def test_cuda_routing_in_the_lowering(fake_h200):
     """Exported for the cuda platform from this CPU machine: the custom call targets that
     implementation="cuda" and implementation=None lower to, with their fp32_precision."""
