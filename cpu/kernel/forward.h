@@ -338,9 +338,10 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
   }
 }
 
-// sc.next_k / next_v: the K / V rows of keys [j1, j1 + kBk) of the tile's kv head (null
-// past its keys or where hidden).
-void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, const BlockScratch& sc) {
+// sc.next_k / next_v: the K / V rows of keys [j1, j1 + n) of the tile's kv head, n <= kBk
+// (null past its keys or where hidden, and from n on).
+void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, int64_t n,
+                     const BlockScratch& sc) {
   const SdpaParams& p = *ctx.p;
   const char* kp = static_cast<const char*>(ctx.buf->k);
   const char* vp = static_cast<const char*>(ctx.buf->v);
@@ -348,7 +349,7 @@ void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, const B
   for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = sc.next_v[j] = nullptr;
   if (j1 >= st.kb) return;
   KeyRun runs[kBk];
-  const int64_t nruns = key_runs(p, st.t.b, st.t.hk, j1, min64(kBk, st.kb - j1), runs);
+  const int64_t nruns = key_runs(p, st.t.b, st.t.hk, j1, min64(n, st.kb - j1), runs);
   for (int64_t r = 0; r < nruns; ++r)
     if (runs[r].k >= 0)
       for (int64_t j = 0; j < runs[r].n; ++j) {
@@ -390,12 +391,18 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     memset(sc.zero_row, 0, max64(D, Dv) * sizeof(float));
     memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));  // the scale reads whole vectors
   }
-  for (int64_t j0 = ka; j0 < kb; j0 += kBk) {
+  // Decode walks the keys in blocks whose rows, and the next block's, fit kDecodeBlockBytes.
+  int64_t step = kBk;
+  if (narrow) {
+    const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+    while (step > 16 && 2 * step * nh * (D + Dv) * item > kDecodeBlockBytes) step /= 2;
+  }
+  for (int64_t j0 = ka; j0 < kb; j0 += step) {
     for (int64_t h = 0; h < nh; ++h) {
       TileState& st = states[h];
       if (j0 < st.ka || j0 >= st.kb) continue;
-      if (st.narrow) next_block_rows(ctx, st, j0 + kBk, sc);
-      tile_block(ctx, st, sc, j0, min64(kBk, st.kb - j0));
+      if (st.narrow) next_block_rows(ctx, st, j0 + step, step, sc);
+      tile_block(ctx, st, sc, j0, min64(step, st.kb - j0));
     }
   }
   const int64_t tile_base = (ctx.tiles - 1 - tile) * BH + b * Hk;

@@ -156,7 +156,10 @@ template <int KJ>
 __attribute__((always_inline)) inline void prefetch_ahead(const void* const* kr, int64_t jn,
                                                          int64_t j0, int64_t kbytes,
                                                          const NextRows& nx) {
-  for (int64_t i = j0 + kAheadRows; i < j0 + kAheadRows + KJ; ++i) {
+  // The next block's rows start at jn: never further ahead than the block (its rows are
+  // what NextRows holds).
+  const int64_t ahead = min64(kAheadRows, jn);
+  for (int64_t i = j0 + ahead; i < j0 + ahead + KJ; ++i) {
     if (i < jn) {
       if (kr[i]) prefetch_row(kr[i], kbytes, false);
     } else if (i - jn < kBk && nx.k[i - jn]) {
