@@ -29,26 +29,29 @@ namespace {
 
 using Shaped = std::pair<std::vector<int64_t>, std::string>;  // (dims, numpy dtype name)
 
-// The custom call's attribute dictionary (primitives.ffi_attrs) as the handlers decode it.
-jax_sdpa::SdpaAttrs attrs_from_dict(const nb::dict& d) {
-  jax_sdpa::SdpaAttrs a;
+// The custom call's attribute dictionary (primitives.ffi_attrs) as the handlers decode it, or
+// why not: the handlers refuse a dictionary with a name JAX_SDPA_ATTRS doesn't list.
+std::string attrs_from_dict(const nb::dict& d, jax_sdpa::SdpaAttrs* a) {
+  size_t known = 0;
   auto get = [&](const char* key, auto* field) {
-    if (d.contains(key)) *field = nb::cast<std::decay_t<decltype(*field)>>(d[key]);
+    if (!d.contains(key)) return;
+    *field = nb::cast<std::decay_t<decltype(*field)>>(d[key]);
+    ++known;
   };
-  get("scale", &a.scale);
-  get("window_left", &a.window_left);
-  get("window_right", &a.window_right);
-  get("bottom_right", &a.bottom_right);
-  get("seq_major", &a.seq_major);
-  get("has_mask", &a.has_mask);
-  get("has_sinks", &a.has_sinks);
-  get("has_q_lengths", &a.has_q_lengths);
-  get("has_kv_lengths", &a.has_kv_lengths);
-  get("fp32_precision", &a.fp32_precision);
-  get("logits_soft_cap", &a.logits_soft_cap);
-  get("has_segment_ids", &a.has_segment_ids);
-  get("kv_layout", &a.kv_layout);
-  return a;
+#define JAX_SDPA_GET_ATTR(type, name, init) get(#name, &a->name);
+  JAX_SDPA_ATTRS(JAX_SDPA_GET_ATTR)
+#undef JAX_SDPA_GET_ATTR
+  if (known == d.size()) return "";
+  std::string unknown;
+  for (auto [key, value] : d) {
+    const std::string name = nb::cast<std::string>(key);
+    bool listed = false;
+#define JAX_SDPA_IS_ATTR(type, attr, init) listed = listed || name == #attr;
+    JAX_SDPA_ATTRS(JAX_SDPA_IS_ATTR)
+#undef JAX_SDPA_IS_ATTR
+    if (!listed) unknown += (unknown.empty() ? "" : ", ") + name;
+  }
+  return "attributes the handlers don't decode: " + unknown;
 }
 
 // (bytes, '') of a cuDNN target's workspace result, or (0, why) where it can't be sized: the
@@ -65,7 +68,8 @@ std::pair<int64_t, std::string> cudnn_workspace_bytes(bool backward, bool lse_wa
   std::vector<xla::ffi::AnyBuffer> in, out;
   for (const Shaped& s : operands) in.push_back(shaped.add(s.first, s.second));
   for (const Shaped& s : results) out.push_back(shaped.add(s.first, s.second));
-  const jax_sdpa::SdpaAttrs attrs = attrs_from_dict(attr_dict);
+  jax_sdpa::SdpaAttrs attrs;
+  if (std::string why = attrs_from_dict(attr_dict, &attrs); !why.empty()) return {0, why};
   const size_t opt_at = backward ? 6 : 3;
   const jax_sdpa::OptionalOperands opt{in[opt_at],     in[opt_at + 1], in[opt_at + 2],
                                        in[opt_at + 3], in[opt_at + 4], in[opt_at + 5]};
@@ -154,6 +158,9 @@ NB_MODULE(_sdpa_cuda, m) {
         "device (its plan is built now and cached), or (0, why) where it can't be sized; "
         "operands and results are (dims, numpy dtype name) in the target's order, attrs its "
         "attribute dictionary.");
+  // What a cuDNN target's workspace holds where cudnn_workspace_bytes can't size it: one
+  // piece's alignment; the handler takes the rest from XLA's allocator outside capture.
+  m.attr("cudnn_scratch_alignment") = jax_sdpa::cudnn::kScratchAlignment;
   m.def("cudnn_version", &jax_sdpa::cudnn::runtime_version,
         "Version of the libcudnn loaded in this process (e.g. 91900), -1 if it can't be queried.");
   m.def("cudnn_compiled_version", &jax_sdpa::cudnn::compiled_version,

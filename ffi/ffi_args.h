@@ -18,27 +18,34 @@ namespace jax_sdpa {
 
 namespace ffi = xla::ffi;
 
-// The attributes every sdpa_fwd / sdpa_bwd custom call carries.
+// The attributes every sdpa_fwd / sdpa_bwd custom call carries, as X(type, name, default):
+// the one list behind SdpaAttrs, its FFI decoding below and any reading of the same attributes
+// from elsewhere (the CUDA module sizes cuDNN workspaces from a Python dict of them).
+//   fp32_precision: 0 default (fp32 inputs may use TF32 tensor cores), 1 highest (full fp32
+//     accuracy); set from JAX's default matmul precision at trace time; only kernels that
+//     would otherwise round fp32 operands (our CUDA flash kernels) look at it.
+//   logits_soft_cap: SdpaParams::logits_soft_cap; 0 is off.
+//   kv_layout: paged targets' page layout (kKvLayout*); 0 on every other target.
+#define JAX_SDPA_ATTRS(X)           \
+  X(double, scale, 1.0)             \
+  X(int64_t, window_left, -1)       \
+  X(int64_t, window_right, -1)      \
+  X(bool, bottom_right, false)      \
+  X(bool, seq_major, false)         \
+  X(bool, has_mask, false)          \
+  X(bool, has_sinks, false)         \
+  X(bool, has_q_lengths, false)     \
+  X(bool, has_kv_lengths, false)    \
+  X(int64_t, fp32_precision, 0)     \
+  X(double, logits_soft_cap, 0.0)   \
+  X(bool, has_segment_ids, false)   \
+  X(int64_t, kv_layout, 0)
+
+#define JAX_SDPA_ATTR_FIELD(type, name, init) type name = init;
 struct SdpaAttrs {
-  double scale = 1.0;
-  int64_t window_left = -1;
-  int64_t window_right = -1;
-  bool bottom_right = false;
-  bool seq_major = false;
-  bool has_mask = false;
-  bool has_sinks = false;
-  bool has_q_lengths = false;
-  bool has_kv_lengths = false;
-  // 0: default (fp32 inputs may use TF32 tensor cores), 1: highest (full fp32 accuracy).
-  // Set from JAX's default matmul precision at trace time; only kernels that would
-  // otherwise round fp32 operands (our CUDA flash kernels) look at it.
-  int64_t fp32_precision = 0;
-  // Logit soft-capping (SdpaParams::logits_soft_cap); 0: off.
-  double logits_soft_cap = 0.0;
-  bool has_segment_ids = false;
-  // Paged targets: 0 = pages [P, Hk, S, D], 1 = [P, S, Hk, D]. 0 on every other target.
-  int64_t kv_layout = 0;
+  JAX_SDPA_ATTRS(JAX_SDPA_ATTR_FIELD)
 };
+#undef JAX_SDPA_ATTR_FIELD
 
 // Values of the fp32_precision attribute.
 enum : int64_t { kFp32PrecisionDefault = 0, kFp32PrecisionHighest = 1 };
@@ -46,21 +53,14 @@ enum : int64_t { kFp32PrecisionDefault = 0, kFp32PrecisionHighest = 1 };
 }  // namespace jax_sdpa
 
 // The custom call's attribute dictionary unpacked into SdpaAttrs by name (all of them, no
-// others): the handlers take one SdpaAttrs instead of thirteen parameters.
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_sdpa::SdpaAttrs,
-                                      xla::ffi::StructMember<double>("scale"),
-                                      xla::ffi::StructMember<int64_t>("window_left"),
-                                      xla::ffi::StructMember<int64_t>("window_right"),
-                                      xla::ffi::StructMember<bool>("bottom_right"),
-                                      xla::ffi::StructMember<bool>("seq_major"),
-                                      xla::ffi::StructMember<bool>("has_mask"),
-                                      xla::ffi::StructMember<bool>("has_sinks"),
-                                      xla::ffi::StructMember<bool>("has_q_lengths"),
-                                      xla::ffi::StructMember<bool>("has_kv_lengths"),
-                                      xla::ffi::StructMember<int64_t>("fp32_precision"),
-                                      xla::ffi::StructMember<double>("logits_soft_cap"),
-                                      xla::ffi::StructMember<bool>("has_segment_ids"),
-                                      xla::ffi::StructMember<int64_t>("kv_layout"));
+// others): the handlers take one SdpaAttrs instead of thirteen parameters. The member list is
+// JAX_SDPA_ATTRS's, each entry with a leading comma; JAX_SDPA_APPLY splits it into arguments.
+#define JAX_SDPA_ATTR_MEMBER(type, name, init) , xla::ffi::StructMember<type>(#name)
+#define JAX_SDPA_APPLY(macro, args) macro args
+JAX_SDPA_APPLY(XLA_FFI_REGISTER_STRUCT_ATTR_DECODING,
+               (jax_sdpa::SdpaAttrs JAX_SDPA_ATTRS(JAX_SDPA_ATTR_MEMBER)));
+#undef JAX_SDPA_APPLY
+#undef JAX_SDPA_ATTR_MEMBER
 
 namespace jax_sdpa {
 

@@ -365,12 +365,6 @@ def ffi_workspace_bytes(target: str, cfg: Config) -> int:
     return cuda_decode_workspace_bytes(cfg) if target == CUDA_DECODE_TARGET else 0
 
 
-# Where the native code can't size a cuDNN target's workspace at lowering: the alignment of
-# one piece (cudnn::kScratchAlignment). The handler then takes what it lacks from XLA's
-# scratch allocator, which only a call not being captured into a CUDA graph may use.
-_CUDNN_UNSIZED_WORKSPACE = 256
-
-
 def workspace_bytes_at_lowering(plan: "Plan", operands, results, attrs) -> int:
     """Bytes of the uint8 workspace result of `plan`'s target for a call of these operand
     and result avals (the target's order) and attribute dictionary (0: the target has none).
@@ -380,9 +374,8 @@ def workspace_bytes_at_lowering(plan: "Plan", operands, results, attrs) -> int:
     scratch of XLA's and XLA may capture it into a CUDA graph."""
     if plan.target not in CUDNN_TARGETS:
         return plan.workspace_bytes
-    native = _native()
-    if native is None:
-        return _CUDNN_UNSIZED_WORKSPACE
+    if _native() is None:  # no module, so no cuDNN target to call
+        return 0
     shaped = lambda avals: tuple((tuple(int(d) for d in a.shape), np.dtype(a.dtype).name)
                                  for a in avals)
     plain = tuple(sorted((k, v.item() if isinstance(v, np.generic) else v)
@@ -394,12 +387,17 @@ def workspace_bytes_at_lowering(plan: "Plan", operands, results, attrs) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _cudnn_workspace_bytes(backward, lse_wanted, operands, results, attrs) -> int:
+    """Where the native code can't size the workspace (e.g. no GPU visible), one piece's
+    alignment: the handler then takes what it lacks from XLA's scratch allocator, which only
+    a call not being captured into a CUDA graph may use."""
+    native = _native()
+    unsized = int(native.cudnn_scratch_alignment)
     try:
-        n, why = _native().cudnn_workspace_bytes(backward, lse_wanted, list(operands),
-                                                 list(results), dict(attrs))
-    except Exception:  # the module can't size it here (e.g. no GPU visible)
-        return _CUDNN_UNSIZED_WORKSPACE
-    return int(n) if not why else _CUDNN_UNSIZED_WORKSPACE
+        n, why = native.cudnn_workspace_bytes(backward, lse_wanted, list(operands),
+                                              list(results), dict(attrs))
+    except Exception:  # a call the binding can't read (it says why)
+        return unsized
+    return int(n) if not why else unsized
 
 
 def _flash_verdict(call: "_Call") -> Verdict:

@@ -575,6 +575,7 @@ def test_cudnn_workspace_binding_unpacks_the_call_as_the_handler(cuda_module):
     lse = ((2, 4, 128), "float32")
     bytes_, why = cuda_module.cudnn_workspace_bytes(False, True, operands, [x, lse], attrs)
     assert (bytes_ > 0 and why == "") or (bytes_ == 0 and why), (bytes_, why)
+    assert "don't decode" not in why  # the lowering writes only attributes the handlers read
     bytes_, why = cuda_module.cudnn_workspace_bytes(
         False, True, operands, [x, ((2, 4, 129), "float32")], attrs)
     assert bytes_ == 0 and "lse must be float32 [B, Hq, Lq] = [2, 4, 128]" in why, why
@@ -582,6 +583,10 @@ def test_cudnn_workspace_binding_unpacks_the_call_as_the_handler(cuda_module):
     assert bytes_ == 0 and "returns no lse" in why, why  # the no-lse form takes f32 [0]
     with pytest.raises(ValueError, match="expected 9 operands and 2 results"):
         cuda_module.cudnn_workspace_bytes(False, True, operands[:8], [x, lse], attrs)
+    # a name the handlers' attribute decoding doesn't list (they would refuse the call)
+    bytes_, why = cuda_module.cudnn_workspace_bytes(False, True, operands, [x, lse],
+                                                    {**attrs, "window_middle": 3})
+    assert bytes_ == 0 and why == "attributes the handlers don't decode: window_middle", why
 
 
 def test_cudnn_calls_carry_a_workspace_and_no_lse_form(fake_h200):
