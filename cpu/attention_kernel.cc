@@ -71,6 +71,14 @@ void head_major_task(void* vctx, int64_t task, int) {
              c.dim[x] * c.item);
   }
 }
+// Whether a call of these shapes is long enough for the pool's extra threads (kLongJob*).
+bool long_job(const SdpaParams& p) {
+  const int64_t item = p.dtype == DType::kF32 ? 4 : 2, per_key = p.head_dim + p.head_dim_v;
+  const double macs = (double)p.batch * p.heads_q * p.len_q * p.len_kv * per_key;
+  const double bytes = (double)p.batch * p.heads_kv * p.len_kv * per_key * item;
+  return macs >= kLongJobMacs || bytes >= kLongJobBytes;
+}
+
 const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
   const int64_t rows = p.len_q * p.group();
   if (p.batch == 0 || p.heads_q == 0 || rows == 0) return nullptr;
@@ -85,9 +93,11 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
   const bool narrow = rows <= kNarrow && D % W == 0 && Dv % W == 0;
   const bool slot_major = abs64(p.k_stride[1]) < abs64(p.k_stride[2]);
   ctx.group_heads = narrow && slot_major ? min64(p.heads_kv, kGroupHeads) : 1;
-  const int parts = pool.participants();
+  const bool shared = long_job(p);
+  const int parts = pool.participants(shared);
   const size_t per = block_scratch_bytes(D, Dv) + ctx.group_heads * tile_state_bytes(D, Dv);
-  if (!arena_alloc(&ctx.arena, per, parts)) return "jax_sdpa cpu: out of memory (forward scratch)";
+  if (!arena_alloc(&ctx.arena, per, pool.capacity()))
+    return "jax_sdpa cpu: out of memory (forward scratch)";
   if (!seg_blocks_build(p, &ctx.segs)) {
     free(ctx.arena.base);
     return "jax_sdpa cpu: out of memory (segment ranges)";
@@ -112,7 +122,7 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
       ctx.nsplit = 1;  // no room for the shares: unsplit
     }
   }
-  pool.parallel_for(group_tasks * ctx.nsplit, fwd_task, &ctx);
+  pool.parallel_for(group_tasks * ctx.nsplit, fwd_task, &ctx, shared);
   free(ctx.arena.base);
   free(ctx.segs.lo);
   free(ctx.part);
@@ -136,7 +146,7 @@ const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& 
   if (!copy) return forward_in_place(p, buf, pool);  // no room: strided reads
   HeadMajorCopy c{&p, {buf.k, buf.v}, {copy, copy + BH * p.len_kv * D * item}, item, {D, Dv},
                   {p.k_stride, p.v_stride}};
-  pool.parallel_for(BH, head_major_task, &c);
+  pool.parallel_for(BH, head_major_task, &c, /*long_job=*/false);
   SdpaParams hm = p;
   const int64_t ks[3] = {p.heads_kv * p.len_kv * D, p.len_kv * D, D};
   const int64_t vs[3] = {p.heads_kv * p.len_kv * Dv, p.len_kv * Dv, Dv};
@@ -164,7 +174,8 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
   ctx.buf = &buf;
   ctx.Dp = round_up(D, W);
   ctx.Dvp = round_up(Dv, W);
-  const int parts = pool.participants();
+  const bool shared = long_job(p);
+  const int parts = pool.participants(shared);
   // Split the keys of each (b, hk) only as far as needed to keep every thread
   // busy: each split costs a float32 copy of dq.
   const int64_t BH = p.batch * p.heads_kv;
@@ -185,7 +196,7 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
                floats_bytes(2 * max64(Dp, Dvp)) + floats_bytes(ctx.chunk * pair_words(D)) +
                floats_bytes(ctx.chunk * pair_words(Dv)) + floats_bytes(pair_words(D) * kBq) +
                floats_bytes(pair_words(Dv) * kBq);
-  if (!arena_alloc(&ctx.arena, per, parts)) {
+  if (!arena_alloc(&ctx.arena, per, pool.capacity())) {
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (backward scratch)";
   }
@@ -194,8 +205,8 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (segment ranges)";
   }
-  pool.parallel_for(ctx.nchunk * BH, bwd_task, &ctx);
-  pool.parallel_for(p.batch * p.heads_q, dq_task, &ctx);
+  pool.parallel_for(ctx.nchunk * BH, bwd_task, &ctx, shared);
+  pool.parallel_for(p.batch * p.heads_q, dq_task, &ctx, shared);
   free(ctx.arena.base);
   free(ctx.dq_part);
   free(ctx.segs.lo);

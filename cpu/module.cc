@@ -16,8 +16,12 @@ NB_MODULE(_sdpa_cpu, m) {
   jax_sdpa::def_registrations(m);
   m.def("isa", [] { return std::string(jax_sdpa::cpu::active_isa()); },
         "The kernel variant picked for this CPU (x86-64-v4-bf16/v4/v3/v2 or generic).");
-  m.def("num_threads", [] { return jax_sdpa::cpu::ThreadPool::global().participants(); },
-        "Threads the kernel runs on (JAX_SDPA_CPU_THREADS overrides).");
+  m.def("num_threads", [] { return jax_sdpa::cpu::ThreadPool::global().cores(); },
+        "Threads the kernel runs on while the machine is quiet (JAX_SDPA_CPU_THREADS "
+        "overrides); twice as many while other processes keep the cores busy.");
+  m.def("oversubscribed", [] { return jax_sdpa::cpu::ThreadPool::global().oversubscribed(); },
+        "Whether the kernel's jobs now go to twice num_threads() threads (the cores were "
+        "found busy with other work).");
   jax_sdpa::def_shape_fact(m, "unsupported_reason", &jax_sdpa::cpu::unsupported_reason,
                            "Why the kernel can't serve these shapes ('' when it can).");
 }

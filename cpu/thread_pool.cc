@@ -1,5 +1,6 @@
 #include "cpu/thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -9,6 +10,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <time.h>
 
 namespace jax_sdpa {
 namespace cpu {
@@ -40,25 +43,58 @@ bool poll_for(Cond cond) {
   }
 }
 
+// The contention probe. Every long job of at least cores() tasks is sampled: each thread that
+// runs its tasks reads its own CPU time around them (about 1.5 us of system calls a thread),
+// the caller the job's wall time. On a quiet machine the job's threads keep
+// min(threads, cores) cores busy for its whole wall time; where other processes hold cores,
+// threads are preempted or woken late. Every kWindow of sampled wall time the pool compares
+// the CPU time its jobs got with that: below kBusyBelow of it, it offers long jobs to the
+// extra threads; above kQuietAbove, where those only preempt each other, it parks them
+// again. Short jobs neither probe (waking the workers is a large part of them) nor take the
+// extra threads. (The process's CPU clock is no measure here: it counts a thread that is
+// running on another core only up to its last tick.)
+constexpr int64_t kWindowNs = 4'000'000;
+constexpr double kBusyBelow = 0.70, kQuietAbove = 0.85;
+
+int64_t ns(const timespec& t) { return t.tv_sec * 1'000'000'000LL + t.tv_nsec; }
+int64_t thread_cpu_ns() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return ns(t);
+}
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Job {
   TaskFn fn;
   void* ctx;
   int64_t n;
+  int width;  // threads that may take part, the caller included
+  bool sampled = false;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::atomic<int> next_participant{1};  // 0 is the caller
+  // A sampled job's threads' summed CPU time running its tasks.
+  std::atomic<int64_t> run_cpu{0};
   std::mutex mu;
   std::condition_variable cv;
 };
 
-// Runs tasks of `job` until none is left; returns how many this thread ran.
+// Runs tasks of `job` until none is left (a sampled job: adds this thread's CPU time for them).
 void drain(Job& job, int participant) {
   int64_t ran = 0;
+  const int64_t cpu0 = job.sampled ? thread_cpu_ns() : 0;
   for (int64_t i; (i = job.next.fetch_add(1)) < job.n;) {
     job.fn(job.ctx, i, participant);
     ++ran;
   }
-  if (ran && job.done.fetch_add(ran) + ran == job.n) {
+  if (!ran) return;
+  // before the count: the caller reads run_cpu once every task is done
+  if (job.sampled) job.run_cpu.fetch_add(thread_cpu_ns() - cpu0);
+  if (job.done.fetch_add(ran) + ran == job.n) {
     std::lock_guard<std::mutex> lock(job.mu);
     job.cv.notify_all();
   }
@@ -67,18 +103,30 @@ void drain(Job& job, int participant) {
 }  // namespace
 
 struct ThreadPool::Impl {
+  explicit Impl(int cores) : cores(cores) {}
+  const int cores;
   std::mutex mu;
-  std::condition_variable cv;
+  // Workers 1 .. cores-1 wait on core_cv, the extra ones (cores .. 2 cores-1) on extra_cv, so
+  // that waking a quiet job's helpers never lands on a worker that may not join it.
+  std::condition_variable core_cv, extra_cv;
   std::deque<std::shared_ptr<Job>> queue;
-  std::atomic<int64_t> queued{0};  // jobs in the queue, for polling without the lock
+  std::atomic<int> front_width{0};  // the front job's width (0: none), polled without the lock
+  std::atomic<bool> oversubscribed{false};
+  // The contention probe's window: sampled jobs' wall time times the cores they could keep
+  // busy, and the CPU time they got.
+  std::mutex probe_mu;
+  int64_t window_wall = 0, window_cpu = 0;
 
-  void worker() {
+  void worker(int w) {
+    std::condition_variable& cv = w < cores ? core_cv : extra_cv;
     for (;;) {
       std::shared_ptr<Job> job;
-      poll_for([&] { return queued.load(std::memory_order_acquire) > 0; });
+      // Extra workers don't poll: they run only while the cores are contended, where a
+      // polling thread would take a core from one with tasks.
+      if (w < cores) poll_for([&] { return front_width.load(std::memory_order_acquire) > w; });
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return !queue.empty(); });
+        cv.wait(lock, [&] { return !queue.empty() && queue.front()->width > w; });
         job = queue.front();
         // Once its tasks are all claimed the job leaves the queue.
         if (job->next.load() >= job->n) {
@@ -86,21 +134,48 @@ struct ThreadPool::Impl {
           continue;
         }
       }
+      // A worker joins a job at most once (it leaves the queue before the worker looks again),
+      // and only workers below its width do: participants stay below the width.
       int participant = job->next_participant.fetch_add(1);
       drain(*job, participant);
       std::lock_guard<std::mutex> lock(mu);
       if (!queue.empty() && queue.front() == job) pop_front();
     }
   }
+  void push_back(std::shared_ptr<Job> job) {  // mu held
+    queue.push_back(std::move(job));
+    front_width.store(queue.front()->width, std::memory_order_release);
+  }
   void pop_front() {  // mu held
     queue.pop_front();
-    queued.fetch_sub(1, std::memory_order_release);
+    front_width.store(queue.empty() ? 0 : queue.front()->width, std::memory_order_release);
+    // the new front may be a job the extra workers may join
+    if (!queue.empty() && queue.front()->width > cores) extra_cv.notify_all();
+  }
+  // A sampled job of `wall` ns into the window; at the window's end, the verdict.
+  void probe(const Job& job, int64_t wall) {
+    const int64_t busy_cores = std::min<int64_t>(std::min(job.width, cores), job.n);
+    std::lock_guard<std::mutex> lock(probe_mu);
+    window_wall += wall * busy_cores;
+    window_cpu += job.run_cpu.load();
+    if (window_wall < kWindowNs * busy_cores) return;
+    const double share = static_cast<double>(window_cpu) / window_wall;
+    if (!oversubscribed.load() && share < kBusyBelow) oversubscribed.store(true);
+    else if (oversubscribed.load() && share > kQuietAbove) oversubscribed.store(false);
+    window_wall = window_cpu = 0;
   }
 };
 
-ThreadPool::ThreadPool(int participants) : impl_(new Impl), participants_(participants) {
-  for (int i = 1; i < participants_; ++i) std::thread([impl = impl_] { impl->worker(); }).detach();
+ThreadPool::ThreadPool(int cores) : impl_(new Impl(cores)), cores_(cores) {
+  if (cores_ == 1) return;  // one core: the caller runs every job alone
+  for (int w = 1; w < capacity(); ++w) std::thread([impl = impl_, w] { impl->worker(w); }).detach();
 }
+
+int ThreadPool::participants(bool long_job) const {
+  return long_job && impl_->oversubscribed.load(std::memory_order_relaxed) ? capacity() : cores_;
+}
+
+bool ThreadPool::oversubscribed() const { return impl_->oversubscribed.load(); }
 
 ThreadPool& ThreadPool::global() {
   static ThreadPool* pool = [] {
@@ -116,9 +191,10 @@ ThreadPool& ThreadPool::global() {
   return *pool;
 }
 
-void ThreadPool::parallel_for(int64_t n, TaskFn fn, void* ctx) {
+void ThreadPool::parallel_for(int64_t n, TaskFn fn, void* ctx, bool long_job) {
   if (n <= 0) return;
-  if (n == 1 || participants_ == 1) {
+  const int width = participants(long_job);
+  if (n == 1 || width == 1) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i, 0);
     return;
   }
@@ -126,19 +202,24 @@ void ThreadPool::parallel_for(int64_t n, TaskFn fn, void* ctx) {
   job->fn = fn;
   job->ctx = ctx;
   job->n = n;
+  job->width = width;
+  job->sampled = long_job && n >= cores_;
+  const int64_t start = job->sampled ? wall_ns() : 0;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->queue.push_back(job);
-    impl_->queued.fetch_add(1, std::memory_order_release);
+    impl_->push_back(job);
   }
   // More participants than tasks would only spin on an empty job.
-  int64_t helpers = n - 1 < participants_ - 1 ? n - 1 : participants_ - 1;
-  if (helpers >= participants_ - 1) impl_->cv.notify_all();
-  else for (int64_t i = 0; i < helpers; ++i) impl_->cv.notify_one();
+  const int64_t helpers = n - 1 < width - 1 ? n - 1 : width - 1;
+  if (helpers >= cores_ - 1) impl_->core_cv.notify_all();
+  else for (int64_t i = 0; i < helpers; ++i) impl_->core_cv.notify_one();
+  if (helpers >= cores_) impl_->extra_cv.notify_all();
   drain(*job, 0);
-  if (poll_for([&] { return job->done.load(std::memory_order_acquire) == job->n; })) return;
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == job->n; });
+  if (!poll_for([&] { return job->done.load(std::memory_order_acquire) == job->n; })) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done.load() == job->n; });
+  }
+  if (job->sampled) impl_->probe(*job, wall_ns() - start);
 }
 
 }  // namespace cpu

@@ -551,3 +551,52 @@ def test_bf16_decode_tiles_match_float64(shape, seq_major, case, rng):
         g = hq // hk
         assert np.isnan(out[1, :g]).all() and np.isfinite(out[1, g:]).all()
         assert np.isfinite(out[0]).all()
+
+
+def test_long_calls_on_a_busy_machine(rng):
+    """With twice as many spinning processes as cores, the pool finds the cores contended and
+    offers long calls (forward, backward, a long decode) to its extra threads; every call,
+    before and after the switch, matches the float64 oracle."""
+    import subprocess
+    import sys
+    import time
+    cpu = _ext.module("_sdpa_cpu")
+    if cpu.num_threads() < 2:
+        pytest.skip("one thread: the pool has no extra threads")
+    b, hq, hk, lq, lk, d = 1, 4, 2, 512, 2048, 64  # 4 * 512 * 2048 * 128 multiply-adds: long
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    dout = _normal(rng, b, hq, lq, d)
+    kw = dict(scale=1 / np.sqrt(d), window_right=0, bottom_right=True)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    want, want_lse = oracle.forward(q64, k64, v64, **kw)
+    want_grads = oracle.backward(q64, k64, v64, dout.astype(np.float64), **kw)
+    dq_, dk_, dv_ = (32, 2, 16384)  # one-query decode over 2 x 16384 x 128 float32 keys: long
+    dq_in = _normal(rng, 1, dq_, 1, 128)
+    dk_in, dv_in = _normal(rng, 1, dk_, dv_, 128), _normal(rng, 1, dk_, dv_, 128)
+    want_decode, _ = oracle.forward(*(x.astype(np.float64) for x in (dq_in, dk_in, dv_in)),
+                                    scale=0.125)
+
+    def check():
+        out, lse = _call_fwd(q, k, v, **kw)
+        assert _rel(out, want) <= RTOL and _lse_err(lse, want_lse) <= LSE_ATOL
+        grads = _call_bwd(q, k, v, out, lse, dout, **kw)
+        for name, got in zip(("dq", "dk", "dv"), grads):
+            assert _rel(got, want_grads[name]) <= GRAD_RTOL, name
+        out, _ = _call_fwd(dq_in, dk_in, dv_in, scale=0.125)
+        assert _rel(out, want_decode) <= RTOL
+
+    check()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2 * cpu.num_threads())]
+    try:
+        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while not cpu.oversubscribed() and time.monotonic() < deadline:
+            check()
+        assert cpu.oversubscribed(), "the pool did not find the cores contended"
+        check()
+        check()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

@@ -57,3 +57,11 @@ constexpr int64_t kDecodeBlockBytes = 512 << 10;
 // pass reads whole V rows in key order up to Dv = kValueAccs * W (passes over a few vectors of
 // each row defeat the hardware prefetcher: about 2.7x slower reads from memory).
 constexpr int kValueAccs = W >= 16 ? 16 : 8;
+
+// A call long enough (about a millisecond on a core or more) to go to the pool's extra
+// threads while other processes keep the cores busy (cpu/thread_pool.h): this many
+// multiply-adds, or this many bytes of K and V read. Shorter calls lose more to waking and
+// preempting those threads than they gain: B1 H32/KV8 D128 Lk1024 float32 (8 MiB) with
+// stress-ng on both cores, 0.26 -> 0.40 ms a call with them (kernel harness).
+constexpr int64_t kLongJobMacs = 64 << 20;
+constexpr int64_t kLongJobBytes = 16 << 20;
