@@ -8,6 +8,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -168,7 +169,13 @@ struct ThreadPool::Impl {
 
 ThreadPool::ThreadPool(int cores) : impl_(new Impl(cores)), cores_(cores) {
   if (cores_ == 1) return;  // one core: the caller runs every job alone
-  for (int w = 1; w < capacity(); ++w) std::thread([impl = impl_, w] { impl->worker(w); }).detach();
+  // Where the process may not start them all (a container's thread limit), fewer workers
+  // join: a job's caller runs whatever tasks no worker takes.
+  try {
+    for (int w = 1; w < capacity(); ++w)
+      std::thread([impl = impl_, w] { impl->worker(w); }).detach();
+  } catch (const std::system_error&) {
+  }
 }
 
 int ThreadPool::participants(bool long_job) const {
