@@ -36,7 +36,7 @@ class ThreadPool {
   // The most threads that take part in one job (per-participant scratch is sized for this).
   int capacity() const { return cores_ == 1 ? 1 : 2 * cores_; }
   int cores() const { return cores_; }
-  // Whether jobs are offered to the extra threads now (the machine was found busy).
+  // Whether long jobs are offered to the extra threads now (the machine was found busy).
   bool oversubscribed() const;
 
   // Runs fn(ctx, i, participant) for i in [0, n) on participants(long_job) threads and
