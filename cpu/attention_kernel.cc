@@ -73,7 +73,7 @@ void head_major_task(void* vctx, int64_t task, int) {
 }
 // Whether a call of these shapes is long enough for the pool's extra threads (kLongJob*).
 bool long_job(const SdpaParams& p) {
-  const int64_t item = p.dtype == DType::kF32 ? 4 : 2, per_key = p.head_dim + p.head_dim_v;
+  const int64_t item = dtype_bytes(p.dtype), per_key = p.head_dim + p.head_dim_v;
   const double macs = (double)p.batch * p.heads_q * p.len_q * p.len_kv * per_key;
   const double bytes = (double)p.batch * p.heads_kv * p.len_kv * per_key * item;
   return macs >= kLongJobMacs || bytes >= kLongJobBytes;
@@ -134,7 +134,7 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
 
 const char* forward(const SdpaParams& p, const SdpaFwdBuffers& buf, ThreadPool& pool) {
   const int64_t rows = p.len_q * p.group();
-  const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+  const int64_t item = dtype_bytes(p.dtype);
   // Worth a pass over K and V when at least four tiles a head read every key (decode and
   // short calls read each key once: they read in place).
   const bool many_tiles = rows > 4 * kBq;

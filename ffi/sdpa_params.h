@@ -19,6 +19,8 @@
 namespace jax_sdpa {
 
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// Bytes of one element of a DType.
+JAX_SDPA_HD constexpr int64_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
 
 // Contract features beyond the base call. Every FFI target declares the set its kernels

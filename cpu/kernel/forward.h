@@ -345,7 +345,7 @@ void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, int64_t
   const SdpaParams& p = *ctx.p;
   const char* kp = static_cast<const char*>(ctx.buf->k);
   const char* vp = static_cast<const char*>(ctx.buf->v);
-  const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+  const int64_t item = dtype_bytes(p.dtype);
   for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = sc.next_v[j] = nullptr;
   if (j1 >= st.kb) return;
   KeyRun runs[kBk];
@@ -394,7 +394,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   // Decode walks the keys in blocks whose rows, and the next block's, fit kDecodeBlockBytes.
   int64_t step = kBk;
   if (narrow) {
-    const int64_t item = p.dtype == DType::kF32 ? 4 : 2;
+    const int64_t item = dtype_bytes(p.dtype);
     while (step > 16 && 2 * step * nh * (D + Dv) * item > kDecodeBlockBytes) step /= 2;
   }
   for (int64_t j0 = ka; j0 < kb; j0 += step) {

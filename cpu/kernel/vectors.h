@@ -182,6 +182,6 @@ void store_row(void* dst, DType t, int64_t idx, const float* src, float mul, int
 }
 void store_zeros(void* dst, DType t, int64_t idx, int64_t n) {
   if (n <= 0) return;  // an empty buffer may have no address
-  size_t es = t == DType::kF32 ? 4 : 2;
+  const size_t es = dtype_bytes(t);
   memset(static_cast<char*>(dst) + idx * es, 0, n * es);
 }

@@ -61,7 +61,6 @@ inline const char* dtype_tag(DType t) {
   }
   return "?";
 }
-inline size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // Smallest instantiated head-dim bucket >= max(D, Dv), or 0 if none.
 inline int dmax_bucket(int64_t d, int64_t dv) {
@@ -164,7 +163,7 @@ inline size_t span_bytes(const int64_t* ext, const int64_t* stride, int n, size_
 }
 
 inline size_t qkv_bytes(const SdpaParams& p, int64_t h, int64_t l, int64_t d) {
-  return size_t(p.batch * h * l * d) * dtype_size(p.dtype);
+  return size_t(p.batch * h * l * d) * size_t(dtype_bytes(p.dtype));
 }
 
 // Bytes of k (d = D, stride k_stride) or v: contiguous [B, Hk, Lk, d] (either layout), or a
@@ -173,7 +172,7 @@ inline size_t kv_bytes(const SdpaParams& p, const int64_t* stride, int64_t d) {
   if (!p.paged()) return qkv_bytes(p, p.heads_kv, p.len_kv, d);
   const int64_t ext[4] = {p.num_pages, p.heads_kv, p.page_size, d};
   const int64_t str[4] = {stride[0], stride[1], stride[2], 1};
-  return span_bytes(ext, str, 4, dtype_size(p.dtype));
+  return span_bytes(ext, str, 4, size_t(dtype_bytes(p.dtype)));
 }
 
 // Optional operands shared by forward and backward (page_indices: forward only).
@@ -189,8 +188,8 @@ inline Optional add_optional(const SdpaParams& p, Plan* plan) {
   size_t mask_bytes = 0;
   if (p.mask != nullptr) {
     const int64_t ext[4] = {p.batch, p.heads_q, p.len_q, p.len_kv};
-    mask_bytes = span_bytes(ext, p.mask_stride, 4,
-                            p.mask_kind == MaskKind::kBool ? 1 : dtype_size(p.mask_dtype));
+    const size_t item = p.mask_kind == MaskKind::kBool ? 1 : size_t(dtype_bytes(p.mask_dtype));
+    mask_bytes = span_bytes(ext, p.mask_stride, 4, item);
   }
   o.mask = add(BufKind::kInput, p.mask, mask_bytes);
   o.sinks = add(BufKind::kInput, p.sinks,
