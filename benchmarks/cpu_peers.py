@@ -128,13 +128,17 @@ def _row_fns(row, rng):
     return fns
 
 
-def _timed_bursts(fns, min_time, rounds=3):
-    """{peer: call times}: `rounds` rounds, each a burst of every peer's calls in turn (about
+def _timed_bursts(fns, min_time):
+    """{peer: call times}: one round a peer, each a burst of every peer's calls in turn (about
     min_time / rounds seconds, at least one call) after a 50 ms pause; a burst's first call is
-    untimed."""
+    untimed. Each round starts with another peer, so that none always runs first (right after
+    the competing load starts, or right after a peer that leaves its workers spinning)."""
     times = {p: [] for p in fns}
-    for _ in range(rounds):
-        for p, f in fns.items():
+    peers = list(fns)
+    rounds = len(peers)
+    for r in range(rounds):
+        for p in peers[r:] + peers[:r]:
+            f = fns[p]
             time.sleep(0.05)  # the previous library's spinning workers park
             f()
             start = time.perf_counter()
