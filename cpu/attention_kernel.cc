@@ -176,14 +176,13 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
   ctx.Dvp = round_up(Dv, W);
   const bool shared = long_job(p);
   // Split the keys of each (b, hk) only as far as needed to keep every core busy: each split
-  // repeats the query tiles' packing and costs a float32 copy of dq. The cores, not the
-  // extra threads of a busy machine (those share the same cores): split for them, the GQA
-  // B1 H8/KV2 D128 L2048 causal backward took 242-256 ms beside stress-ng --cpu 2, 206-229
-  // split for the cores (112-120 quiet).
-  const int parts = pool.cores();
+  // repeats the query tiles' packing and costs a float32 copy of dq. The cores, not a busy
+  // machine's extra threads, which share them (docs/cpu.md: split for those, a GQA training
+  // backward took about 15% longer under load).
+  const int cores = pool.cores();
   const int64_t BH = p.batch * p.heads_kv;
   const int64_t nblocks = max64(1, (p.len_kv + kBk - 1) / kBk);
-  int64_t nchunk = (2 * parts + BH - 1) / BH;
+  int64_t nchunk = (2 * cores + BH - 1) / BH;
   nchunk = max64(1, min64(min64(nchunk, nblocks), 16));
   ctx.chunk = round_up(max64(1, (p.len_kv + nchunk - 1) / nchunk), kBk);
   ctx.nchunk = max64(1, (p.len_kv + ctx.chunk - 1) / ctx.chunk);
