@@ -17,8 +17,6 @@ int blocks_for(int64_t n) {
   return static_cast<int>(b > 65535 * 8 ? 65535 * 8 : b);  // grid-stride loops cover the rest
 }
 
-size_t element_size(DType t) { return t == DType::kF32 ? 4 : 2; }
-
 __device__ __forceinline__ float load_as_float(const void* base, int64_t idx, MaskKind kind,
                                                DType dtype) {
   if (kind == MaskKind::kBool)
@@ -180,8 +178,9 @@ cudaError_t zero_rows_past_length(const SdpaParams& p, bool len_is_q, void* x, i
   const int32_t* lengths = len_is_q ? p.q_lengths : p.kv_lengths;
   const int64_t rows = p.batch * heads * len;
   if (lengths == nullptr || rows <= 0) return cudaSuccess;
+  const size_t es = static_cast<size_t>(dtype_bytes(p.dtype));
   zero_rows_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
-      lengths, p.batch, heads, len, dim, stride[0], stride[1], stride[2], element_size(p.dtype), x);
+      lengths, p.batch, heads, len, dim, stride[0], stride[1], stride[2], es, x);
   return cudaGetLastError();
 }
 
@@ -195,7 +194,7 @@ cudaError_t copy_zeroing_rows_past_length(const SdpaParams& p, bool len_is_q, co
                                           void* dst, int64_t heads, int64_t len, int64_t dim,
                                           const int64_t stride[3], cudaStream_t stream) {
   const int32_t* lengths = len_is_q ? p.q_lengths : p.kv_lengths;
-  const size_t es = element_size(p.dtype);
+  const size_t es = static_cast<size_t>(dtype_bytes(p.dtype));
   const int64_t rows = p.batch * heads * len;
   if (rows <= 0 || dim <= 0) return cudaSuccess;
   // 16-byte units when every row start and the row length are 16-byte multiples.
