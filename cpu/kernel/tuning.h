@@ -47,11 +47,13 @@ constexpr int64_t kNarrow = W < 8 ? W : 8;
 constexpr int64_t kAheadRows = kBk;
 
 // Decode from a slot-major cache keeps a block's K and V rows of every head it walks, and
-// the next block's it prefetched, in the core's L2 (1 MiB here): a task walks its keys in
-// blocks halved from kBk while those exceed this many bytes. B1 H32/KV8 D128 Lk16384 float32
-// (1 MiB at kBk), two threads: 5.1-5.3 -> 4.6-4.8 ms in the kernel harness; bfloat16 (512 KiB)
-// keeps kBk.
-constexpr int64_t kDecodeBlockBytes = 512 << 10;
+// the next block's it prefetched, in the core's L2: a task walks its keys in blocks halved
+// from kBk (to at least 16) while those exceed this many bytes. On the AMD EPYC VM (1 MiB L2)
+// 512 KiB beat 1 MiB: B1 H32/KV8 D128 Lk16384 float32, two threads, 5.1-5.3 -> 4.6-4.8 ms
+// (kernel harness). On the Intel Xeon VM (2 MiB L2) 256 KiB beat 512 KiB on every long decode
+// row, 12-28% (B8 Lk4096 bfloat16 12.4-13.1 -> 9.1-10.6 ms, B1 Lk32768 float32 16.9-18.1 ->
+// 14.1-14.8), 128 KiB no further (decode_block_bytes.json); 256 KiB is unmeasured on the AMD VM.
+constexpr int64_t kDecodeBlockBytes = 256 << 10;
 
 // Accumulators the narrow values kernel keeps in registers (half the vector registers), so a
 // pass reads whole V rows in key order up to Dv = kValueAccs * W (passes over a few vectors of
