@@ -3,6 +3,11 @@
 
 #include <cstdlib>
 #include <cstring>
+#if defined(JAX_SDPA_CPU_BF16_VARIANT) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
@@ -63,6 +68,26 @@ const char* sdpa_backward(const SdpaParams& p, const SdpaBwdBuffers& buf) {
   return variant().bwd(p, buf, ThreadPool::global());
 }
 const char* active_isa() { return variant().name; }
+
+bool amx_bf16_enabled() {
+  static const bool on = [] {
+#if defined(JAX_SDPA_CPU_BF16_VARIANT) && defined(__linux__)
+    if (const char* env = std::getenv("JAX_SDPA_CPU_AMX"))
+      if (!std::strcmp(env, "0")) return false;
+    if (variant().bwd != x86_64_v4_bf16::backward) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
+    // Linux hands a process the tile data state only when asked (arch_prctl
+    // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that faults.
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return on;
+}
 
 std::string unsupported_reason(const SdpaParams& p) {
   const int64_t widest = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;

@@ -18,6 +18,14 @@
   }                                                                                  \
   }
 
+namespace jax_sdpa {
+namespace cpu {
+// Whether the bfloat16 products may run on AMX tiles (attention_cpu.cc decides once: the
+// x86-64-v4-bf16 variant, AMX-BF16 and AMX-TILE, the OS's leave, JAX_SDPA_CPU_AMX != 0).
+bool amx_bf16_enabled();
+}  // namespace cpu
+}  // namespace jax_sdpa
+
 JAX_SDPA_CPU_DECLARE_VARIANT(x86_64_v2)
 JAX_SDPA_CPU_DECLARE_VARIANT(x86_64_v3)
 JAX_SDPA_CPU_DECLARE_VARIANT(x86_64_v4)

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
 #include "ffi/module_facts.h"
 #include "ffi/module_registrations.h"
@@ -16,6 +17,8 @@ NB_MODULE(_sdpa_cpu, m) {
   jax_sdpa::def_registrations(m);
   m.def("isa", [] { return std::string(jax_sdpa::cpu::active_isa()); },
         "The kernel variant picked for this CPU (x86-64-v4-bf16/v4/v3/v2 or generic).");
+  m.def("amx", [] { return jax_sdpa::cpu::amx_bf16_enabled(); },
+        "Whether the bfloat16 products run on AMX tiles (CPU, OS and JAX_SDPA_CPU_AMX allow).");
   m.def("num_threads", [] { return jax_sdpa::cpu::ThreadPool::global().cores(); },
         "Threads the kernel runs on while the machine is quiet (JAX_SDPA_CPU_THREADS "
         "overrides); twice as many while other processes keep the cores busy.");

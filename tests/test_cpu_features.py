@@ -442,6 +442,34 @@ def test_bf16_variant_is_picked_where_the_cpu_has_avx512_bf16():
     assert out[-1] == "x86-64-v4"
 
 
+def test_amx_tiles_where_the_cpu_and_os_allow_and_off_by_env():
+    """Where the x86-64-v4-bf16 variant runs on a CPU with AMX-BF16 and AMX-TILE, the bf16
+    products that read their left operand along its pairs (S^T, dP^T) run on AMX tiles; with
+    JAX_SDPA_CPU_AMX=0 they stay on VDPBF16PS, and the prefill-shaped bf16 cases whose head
+    dims fill whole tiles (D 64, 128) still match float64 (in a fresh process: the choice
+    happens once)."""
+    import os
+    import subprocess
+    import sys
+    m = _ext.module("_sdpa_cpu")
+    if m.isa() != "x86-64-v4-bf16" or not {"amx_bf16", "amx_tile"} <= _cpu_flags():
+        assert not m.amx()
+        pytest.skip("no AMX-BF16 under the bf16 variant here")
+    if os.environ.get("JAX_SDPA_CPU_AMX") == "0":
+        pytest.skip("JAX_SDPA_CPU_AMX=0 in this run")
+    assert m.amx()
+    env = dict(os.environ, JAX_SDPA_CPU_AMX="0")
+    code = "from jax_sdpa import _ext; print(_ext.module('_sdpa_cpu').amx())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd="/", check=True).stdout.split()
+    assert out[-1] == "False"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0",
+         "-k", "test_bf16_forward_and_backward_match_float64 and (d64v64 or d128v128)"],
+        env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:]
+
+
 BF16_SHAPES = [  # b, hq, hk, lq, lk, d, dv: prefill-shaped tiles (more than 8 rows a kv head)
     (1, 4, 2, 37, 37, 64, 64),
     (2, 3, 1, 130, 201, 80, 80),

@@ -110,9 +110,150 @@ const MicroBf16Fn kMicroBf16[6][4] = {JAX_SDPA_MICRO_ROW(1), JAX_SDPA_MICRO_ROW(
                                       JAX_SDPA_MICRO_ROW(5), JAX_SDPA_MICRO_ROW(6)};
 #undef JAX_SDPA_MICRO_ROW
 
+// ---- AMX tiles ------------------------------------------------------------------
+// TDPBF16PS adds a 16-row x 32-bf16 tile of A times a 16-pair-row x 16-column tile of B (B's
+// layout here: row k holds the pairs of rows 2k, 2k + 1) into a 16 x 16 float32 tile, the
+// work of 32 VDPBF16PS. gemm_bf16 runs on them where the CPU and OS allow it
+// (amx_bf16_enabled) and A is contiguous along its pairs in whole tiles (ks = 1, K2 a
+// multiple of 16): S^T = K · Q^T of the forward and the backward's S^T and dP^T.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// C tiles tmm0 .. tmm(NT-1) for rows [0, mr), A in tmm4, B in tmm5 / tmm6 / tmm7.
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int mr) {
+  AmxTileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < NT; ++t) {
+    cfg.rows[t] = (uint8_t)mr;
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[4] = (uint8_t)mr;
+  cfg.colsb[4] = 64;
+  for (int t = 5; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C[r][16t + x] (+)= the pairs' products over K2 of A's row r and B's columns, r < the
+// configured rows, t < NT.
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_step(const uint32_t* A, int64_t sa,
+                                                           const uint32_t* b, int64_t sb) {
+  _tile_loadd(4, A, sa);
+  _tile_loadd(5, b, sb);
+  _tile_dpbf16ps(0, 4, 5);
+  if constexpr (NT > 1) {
+    _tile_loadd(6, b + 16, sb);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  if constexpr (NT > 2) {
+    _tile_loadd(7, b + 32, sb);
+    _tile_dpbf16ps(2, 4, 7);
+  }
+  if constexpr (NT > 3) {
+    _tile_loadd(5, b + 48, sb);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// Bt (if not null): B's last K2 % 16 pair rows, zero-padded to 16, row stride ldbt; A's
+// rows are then readable (and zero) up to K2 rounded up to 16.
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_block(int64_t K2, const uint32_t* A,
+                                                            int64_t lda, const uint32_t* B,
+                                                            int64_t ldb, const uint32_t* Bt,
+                                                            int64_t ldbt, float* C, int64_t ldc,
+                                                            bool accumulate) {
+  const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // row strides in bytes
+  if (accumulate) {
+    _tile_loadd(0, C, sc);
+    if constexpr (NT > 1) _tile_loadd(1, C + 16, sc);
+    if constexpr (NT > 2) _tile_loadd(2, C + 32, sc);
+    if constexpr (NT > 3) _tile_loadd(3, C + 48, sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (NT > 1) _tile_zero(1);
+    if constexpr (NT > 2) _tile_zero(2);
+    if constexpr (NT > 3) _tile_zero(3);
+  }
+  const int64_t whole = K2 / 16 * 16;
+  for (int64_t k = 0; k < whole; k += 16) amx_step<NT>(A + k, sa, B + k * ldb, sb);
+  if (Bt) amx_step<NT>(A + whole, sa, Bt, ldbt * 4);
+  _tile_stored(0, C, sc);
+  if constexpr (NT > 1) _tile_stored(1, C + 16, sc);
+  if constexpr (NT > 2) _tile_stored(2, C + 32, sc);
+  if constexpr (NT > 3) _tile_stored(3, C + 48, sc);
+}
+
+// Columns [n0, n0 + 16 NT) of every row, 16 rows a tile (the last tile the rest).
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_columns(
+    int64_t M, int64_t K2, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
+    const uint32_t* Bt, int64_t ldbt, float* C, int64_t ldc, bool accumulate) {
+  const int64_t full = M / 16 * 16;
+  if (full > 0) {
+    amx_configure<NT>(16);
+    for (int64_t m0 = 0; m0 < full; m0 += 16)
+      amx_block<NT>(K2, A + m0 * lda, lda, B, ldb, Bt, ldbt, C + m0 * ldc, ldc, accumulate);
+  }
+  if (full < M) {
+    amx_configure<NT>((int)(M - full));
+    amx_block<NT>(K2, A + full * lda, lda, B, ldb, Bt, ldbt, C + full * ldc, ldc, accumulate);
+  }
+  _tile_release();
+}
+
+void gemm_bf16_amx(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t lda,
+                   const uint32_t* B, int64_t ldb, const uint32_t* Bt, float* C, int64_t ldc,
+                   bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const uint32_t* bt = Bt ? Bt + n0 : nullptr;  // row stride N
+    switch (min64((N - n0) / 16, 4)) {
+      case 1: amx_columns<1>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
+      case 2: amx_columns<2>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
+      case 3: amx_columns<3>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
+      default: amx_columns<4>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
+    }
+  }
+}
+
+// The largest transposed left operand gemm_bf16 repacks for the tiles (the forward's
+// O^T += V^T · P^T: Dv rows up to 512, a key block's pairs up to 32) and the widest B.
+constexpr int64_t kAmxPackRows = 512, kAmxPackPairs = 32, kAmxPackCols = 64;
+
 // gemm over K2 pairs: C[M x N] (+)= A[M x 2*K2] · B[2*K2 x N], N a multiple of W.
 void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, int64_t ks,
                const uint32_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (M > 0 && K2 > 0 && amx_bf16_enabled()) {
+    if (ks == 1 && K2 % 16 == 0) {
+      gemm_bf16_amx(M, N, K2, A, rs, B, ldb, nullptr, C, ldc, accumulate);
+      return;
+    }
+    if (rs == 1 && M <= kAmxPackRows && K2 <= kAmxPackPairs && N <= kAmxPackCols) {
+      // A stored along M (V's pairs of keys, [K2][Dv]): its rows repacked contiguous along
+      // the pairs, zero-padded to whole tiles, and B's last partial tile of pair rows
+      // zero-padded (a 0 times a stale NaN would be NaN).
+      const int64_t k2p = round_up(K2, 16), whole = K2 / 16 * 16;
+      alignas(64) uint32_t at[kAmxPackRows * kAmxPackPairs];
+      alignas(64) uint32_t bt[16 * kAmxPackCols];
+      for (int64_t r = 0; r < M; ++r) {
+        for (int64_t k = 0; k < K2; ++k) at[r * k2p + k] = A[r + k * ks];
+        for (int64_t k = K2; k < k2p; ++k) at[r * k2p + k] = 0;
+      }
+      const bool tail = whole < K2;
+      if (tail)
+        for (int64_t k = 0; k < 16; ++k)
+          for (int64_t x = 0; x < N; ++x) bt[k * N + x] = whole + k < K2 ? B[(whole + k) * ldb + x] : 0;
+      gemm_bf16_amx(M, N, K2, at, k2p, B, ldb, tail ? bt : nullptr, C, ldc, accumulate);
+      return;
+    }
+  }
   for (int64_t n0 = 0; n0 < N; n0 += NR * W) {
     int nv = (int)min64((N - n0) / W, NR);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
