@@ -46,6 +46,17 @@ except ImportError:  # pragma: no cover - optional peer
     mx = None
 
 
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def read_bandwidth_gbs(mib=512, reps=5):
     """This machine's read bandwidth now: numpy's max over a buffer far above the caches, on
     every core (one thread a core through numpy's own threading is not given, so each core
@@ -259,8 +270,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     cpu = _ext.module("_sdpa_cpu")
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                machine=platform.machine(), cpus=os.cpu_count(),
-                isa=cpu.isa() if cpu else None, threads=cpu.num_threads() if cpu else None,
+                machine=platform.machine(), cpu_model=_cpu_model(), cpus=os.cpu_count(),
+                isa=cpu.isa() if cpu else None, amx=cpu.amx() if cpu else None,
+                threads=cpu.num_threads() if cpu else None,
                 jax=jax.__version__, torch=getattr(torch, "__version__", None),
                 torch_threads=torch.get_num_threads() if torch else None,
                 mlx=getattr(mx, "__version__", None), load_start=os.getloadavg())
