@@ -463,8 +463,10 @@ def test_amx_tiles_where_the_cpu_and_os_allow_and_off_by_env():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd="/", check=True).stdout.split()
     assert out[-1] == "False"
+    # -P: from the repository root `-m` would put the source tree's jax_sdpa (no compiled
+    # modules) first on the path
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0",
+        [sys.executable, "-P", "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0",
          "-k", "test_bf16_forward_and_backward_match_float64 and (d64v64 or d128v128)"],
         env=env, capture_output=True, text=True)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:]

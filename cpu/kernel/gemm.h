@@ -242,10 +242,16 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, 
       const int64_t k2p = round_up(K2, 16), whole = K2 / 16 * 16;
       alignas(64) uint32_t at[kAmxPackRows * kAmxPackPairs];
       alignas(64) uint32_t bt[16 * kAmxPackCols];
-      for (int64_t r = 0; r < M; ++r) {
-        for (int64_t k = 0; k < K2; ++k) at[r * k2p + k] = A[r + k * ks];
-        for (int64_t k = K2; k < k2p; ++k) at[r * k2p + k] = 0;
-      }
+      const __m512i step = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32((int)ks));
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t k0 = 0; k0 < k2p; k0 += 16) {  // 16 pairs of row r, zeros past K2
+          const __mmask16 live = (__mmask16)((1u << min64(16, max64(K2 - k0, 0))) - 1);
+          _mm512_store_si512(at + r * k2p + k0,
+                             _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, step,
+                                                         A + r + k0 * ks, 4));
+        }
       const bool tail = whole < K2;
       if (tail)
         for (int64_t k = 0; k < 16; ++k)
