@@ -247,7 +247,7 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, 
           _mm512_set1_epi32((int)ks));
       for (int64_t r = 0; r < M; ++r)
         for (int64_t k0 = 0; k0 < k2p; k0 += 16) {  // 16 pairs of row r, zeros past K2
-          const __mmask16 live = (__mmask16)((1u << min64(16, max64(K2 - k0, 0))) - 1);
+          const __mmask16 live = (__mmask16)((1u << min64(16, K2 - k0)) - 1);  // K2 > k0 here
           _mm512_store_si512(at + r * k2p + k0,
                              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, step,
                                                          A + r + k0 * ks, 4));
