@@ -164,7 +164,7 @@ if has api; then
 fi
 if has decode_check; then
   say "decode check"
-  (cd /tmp && timeout 150 python3 -P $repo/benchmarks/gpu_decode.py --only check \
+  (cd /tmp && timeout 240 python3 -P $repo/benchmarks/gpu_decode.py --only check \
      --out "$OUT" 2>&1 | tail -6) || rc=1
 fi
 if has decode_bench; then

@@ -32,6 +32,8 @@ CASES = [
     ("cuda", jnp.bfloat16, 2, 75, 75, 4, 2, 64, True, {"segments": True, "softcap": True}),
     ("cuda", jnp.float32, 1, 1, 200, 4, 2, 128, False, {"softcap": True, "lengths": True}),
     ("cuda", jnp.bfloat16, 2, 3, 0, 8, 2, 128, False, {"paged": True}),       # paged decode
+    ("cuda", jnp.bfloat16, 2, 1, 0, 8, 2, 128, False, {"paged": True}),       # paged TMA
+    ("cuda", jnp.float16, 2, 1, 0, 8, 2, 256, False, {"paged": True}),        # paged TMA D256
 ]
 
 

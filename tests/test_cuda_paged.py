@@ -93,7 +93,8 @@ def _case(rng, *, dtype, layout, page_size, lq, d, hq=8, hk=2, b=3, pps=6, causa
 @pytest.mark.parametrize("layout", ["PHSD", "PSHD"])
 @pytest.mark.parametrize("dtype,page_size,lq,d", [
     ("bfloat16", 16, 1, 128), ("float16", 8, 5, 64), ("float32", 64, 1, 128),
-    ("bfloat16", 32, 16, 256), ("float32", 8, 3, 64)])
+    ("bfloat16", 32, 16, 256), ("float32", 8, 3, 64), ("float16", 32, 1, 256),
+    ("float16", 16, 1, 64)])
 def test_paged_matches_the_gathered_cache(rng, layout, dtype, page_size, lq, d):
     _case(rng, dtype=dtype, layout=layout, page_size=page_size, lq=lq, d=d)
 
@@ -105,9 +106,12 @@ def test_paged_soft_cap_sinks_no_mask(rng, layout):
 
 
 @pytest.mark.parametrize("dtype,page_size,d", [("bfloat16", 16, 128), ("float16", 64, 64),
-                                              ("bfloat16", 8, 256)])
+                                              ("bfloat16", 8, 256), ("bfloat16", 64, 128),
+                                              ("float16", 32, 256)])
 def test_paged_decode_long_cache(rng, dtype, page_size, d):
     """Long caches, where the decode kernel splits the keys over blocks (split-K partials
-    and their merge), GQA 4, page sizes below, at and above its 16-key tile."""
+    and their merge), GQA 4, page sizes below, at and above its 16-key tile (and at D128 /
+    D256 with pages of whole tiles: the TMA kernel, pages smaller and larger than its
+    stage)."""
     _case(rng, dtype=dtype, layout="PHSD", page_size=page_size, lq=1, d=d, hq=16, hk=4, b=3,
           pps=4096 // page_size)

@@ -8,6 +8,7 @@
 #                       (benchmarks/tuning/gpu_tune.sh)
 #   decode_check_knobs  the decode check under each setting in DECODE_CHECK_KNOBS
 #   decode_sweep        benchmarks/tuning/decode_sweep.py (SWEEP_ROWS: row substrings)
+#   paged_sweep         benchmarks/tuning/paged_sweep.py (SWEEP_ROWS: row substrings)
 #   decode_profile      benchmarks/profiling/decode_profile.py (DECODE_PROFILE_ARGS)
 #   decode_ncu          Nsight Compute on decode calls (NCU_KNOBS, NCU_PEERS, NCU_ROWS)
 #   decode_ncu_source   Nsight's stall sampling per instruction (NCU_KERNEL, NCU_SOURCE_VIEW)
@@ -24,7 +25,7 @@ OUT=${OUT:-/tmp/jax_sdpa_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=" $* "
-[ -n "${*}" ] || { sed -n '2,19p' "$0"; exit 2; }
+[ -n "${*}" ] || { sed -n '2,20p' "$0"; exit 2; }
 has() { [[ "$steps" == *" $1 "* ]]; }
 repo=$(pwd)
 say() { echo "== $(date -u +%T) $*"; }
@@ -54,6 +55,13 @@ if has decode_sweep; then
   (cd /tmp && JAX_SDPA_POISON_OUTPUTS=0 timeout "${DECODE_SWEEP_TIMEOUT:-200}" python3 -P \
      $repo/benchmarks/tuning/decode_sweep.py --rows "${SWEEP_ROWS:-}" --out "$OUT" 2>&1 \
      | grep -E "^sweep" | tail -60) || rc=1
+fi
+
+if has paged_sweep; then
+  say "paged decode sweep (kernels and page layouts per row)"
+  (cd /tmp && timeout "${DECODE_SWEEP_TIMEOUT:-300}" python3 -P \
+     $repo/benchmarks/tuning/paged_sweep.py --rows "${SWEEP_ROWS:-}" --out "$OUT" 2>&1 \
+     | grep -E "^paged|wrote" | tail -80) || rc=1
 fi
 
 if has decode_profile; then

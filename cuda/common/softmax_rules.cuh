@@ -39,13 +39,17 @@ inline void set_feature_fields(const SdpaParams& p, Args* a) {
   a->num_pages = static_cast<int>(p.num_pages);
 }
 
-// Paged K/V: the physical page holding key j of a batch row (its page-table row `table`),
-// or -1 when the table's entry is outside [0, num_pages): that page's keys are invisible and
-// never read. (ffi/sdpa_params.h: paged_key_row.)
+// Paged K/V: a page-table entry as a physical page, or -1 when it is outside
+// [0, num_pages): that page's keys are invisible and never read.
+__device__ __forceinline__ int checked_page(int entry, int num_pages) {
+  return entry >= 0 && entry < num_pages ? entry : -1;
+}
+
+// The physical page holding key j of a batch row (its page-table row `table`), or -1 as
+// checked_page says. (ffi/sdpa_params.h: paged_key_row.)
 __device__ __forceinline__ int physical_page(const int32_t* table, int page_size, int num_pages,
                                              int j) {
-  const int page = table[j / page_size];
-  return page >= 0 && page < num_pages ? page : -1;
+  return checked_page(table[j / page_size], num_pages);
 }
 
 // A softmax row is empty (out 0, lse -inf) only when its sum is exactly 0: a NaN sum (a

@@ -207,6 +207,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// The extents of the maps' batch and key dims: the call's, or for paged K/V the pool's
+// (pages, keys a page).
+std::pair<int, int> map_extents(const SdpaParams& p) {
+  return p.paged() ? std::make_pair(static_cast<int>(p.num_pages), static_cast<int>(p.page_size))
+                   : std::make_pair(static_cast<int>(p.batch), static_cast<int>(p.len_kv));
+}
+
 // Can the TMA kernels map this call's K and V (strides, sizes)? A trial encode.
 bool tma_mappable(const SdpaParams& p, int box_keys, bool chunk_boxes) {
   TmaMaps maps;
@@ -216,8 +223,9 @@ bool tma_mappable(const SdpaParams& p, int box_keys, bool chunk_boxes) {
     vs[i] = p.v_stride[i];
   }
   void* any = reinterpret_cast<void*>(uintptr_t{1} << 20);
-  return encode_kv_maps(any, any, ks, vs, static_cast<int>(p.batch), static_cast<int>(p.heads_kv),
-                        static_cast<int>(p.len_kv), p.dtype == DType::kBF16,
+  const auto [batch, keys] = map_extents(p);
+  return encode_kv_maps(any, any, ks, vs, batch, static_cast<int>(p.heads_kv), keys,
+                        p.dtype == DType::kBF16,
                         static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v), box_keys,
                         chunk_boxes, 128, &maps) == cudaSuccess;
 }
@@ -227,6 +235,14 @@ bool tma_mappable(const SdpaParams& p, int box_keys, bool chunk_boxes) {
 KernelVariant default_request() {
   KernelVariant v;
   v.prefetch = -1;
+  return v;
+}
+
+// What runs where a TMA kernel's maps can't describe the call: decode_tc_kernel in its
+// default shape (paged calls: its paged build).
+KernelVariant cp_async_request(const SdpaParams& p) {
+  KernelVariant v = default_request();
+  v.paged = p.paged();
   return v;
 }
 
@@ -475,6 +491,8 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   if (p.paged()) {  // one kernel reads pages: decode_tc_kernel<..., PAGED>, default shape
     want = default_request();
     want.paged = true;
+    want.warps = req.want.warps;  // (W, S) of a tuning build's paged variants, else 0
+    want.stages = req.want.stages;
   }
   const int64_t min_split_bytes =
       static_cast<int64_t>(std::max(1, env_int("JAX_SDPA_CUDA_DECODE_MIN_SPLIT_KB", tuning::kMinSplitKiB))) * 1024;
@@ -484,15 +502,21 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // A TMA kernel (asked for, or the default for these dims) runs where it can: sm_90+ and
   // K / V strides its tensor maps can describe (a trial encode with the kernel's own
   // boxes); elsewhere the plain default.
+  // Paged calls take the same TMA kernel (its paged build: a copy a 16-key tile) where
+  // their pages hold whole tiles.
   KernelVariant dflt;
-  if (want == default_request() &&
-      tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req, &dflt))
+  if ((want == default_request() || want == cp_async_request(p)) &&
+      (!p.paged() || p.page_size % kTileKeys == 0) &&
+      tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req, &dflt) &&
+      !(p.paged() && dflt.wide)) {
     want = dflt;
+    want.paged = p.paged();
+  }
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   if (k.variant.tma &&
       !(f.cc_major >= 9 && tma_mappable(p, k.tma_box_keys, k.tma_chunk_boxes))) {
-    want = default_request();
+    want = cp_async_request(p);
     k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
     if (k.func == nullptr) return cudaErrorInvalidValue;
   }
@@ -528,7 +552,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     // launch() runs decode_tc_kernel instead should the real K / V pointers not map (the
     // trial above used an aligned stand-in): raise its smem limit now, while we may.
     int unused = 0;
-    e = occupancy(select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, default_request()), device,
+    e = occupancy(select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, cp_async_request(p)), device,
                   &unused);
     if (e != cudaSuccess) return e;
   }
@@ -683,8 +707,10 @@ MapsKey g_maps_key[kMapsCached];
 TmaMaps g_maps[kMapsCached];
 int g_maps_used = 0, g_maps_next = 0;
 
-cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, bool bf16, int d, int dv, int l2,
-                           TmaMaps* maps) {
+// extents: the maps' batch and key dims (map_extents).
+cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, std::pair<int, int> extents,
+                           bool bf16, int d, int dv, int l2, TmaMaps* maps) {
+  const auto [batch, keys] = extents;
   MapsKey key;
   std::memset(&key, 0, sizeof(key));  // padding too: the key is compared bytewise
   key.k = a.k;
@@ -693,7 +719,7 @@ cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, bool bf16, int d,
     key.ks[i] = a.ks[i];
     key.vs[i] = a.vs[i];
   }
-  const int dims[10] = {a.B, a.Hk, a.Lk, bf16, d, dv, k.tma_box_keys, k.tma_chunk_boxes, l2, 0};
+  const int dims[10] = {batch, a.Hk, keys, bf16, d, dv, k.tma_box_keys, k.tma_chunk_boxes, l2, 0};
   std::memcpy(key.dims, dims, sizeof(dims));
   std::lock_guard<std::mutex> lock(g_maps_mu);
   for (int i = 0; i < g_maps_used; ++i)
@@ -701,7 +727,7 @@ cudaError_t cached_kv_maps(const Args& a, const KernelInfo& k, bool bf16, int d,
       *maps = g_maps[i];
       return cudaSuccess;
     }
-  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, a.B, a.Hk, a.Lk, bf16, d, dv,
+  cudaError_t e = encode_kv_maps(a.k, a.v, a.ks, a.vs, batch, a.Hk, keys, bf16, d, dv,
                                  k.tma_box_keys, k.tma_chunk_boxes, l2, maps);
   if (e != cudaSuccess) return e;
   const int slot = g_maps_used < kMapsCached ? g_maps_used++ : g_maps_next;
@@ -788,7 +814,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
   bool ran_tma = k.tma_box_keys > 0;  // false once the cp.async fallback below runs
   if (k.tma_box_keys > 0) {
     TmaMaps maps;
-    e = cached_kv_maps(a, k, p.dtype == DType::kBF16, static_cast<int>(p.head_dim),
+    e = cached_kv_maps(a, k, map_extents(p), p.dtype == DType::kBF16, static_cast<int>(p.head_dim),
                        static_cast<int>(p.head_dim_v), plan.tma_l2, &maps);
     if (e == cudaSuccess) e = k.launch(a, &maps, grid, k.threads, k.smem, stream);
   } else {
@@ -798,7 +824,7 @@ cudaError_t launch(const SdpaParams& p, const SdpaFwdBuffers& buf, const DecodeP
     // The tensor maps refused these pointers (not 16-byte aligned): decode_tc_kernel
     // serves the same plan (any split count; the workspace depends on the count only).
     KernelInfo tc = select_kernel(p.dtype, p.head_dim, p.head_dim_v, plan.rows_per_block,
-                                  default_request());
+                                  cp_async_request(p));
     if (tc.func == nullptr) return cudaErrorInvalidValue;
     e = tc.launch(a, nullptr, grid, tc.threads, tc.smem, stream);
     ran_tma = false;

@@ -564,22 +564,27 @@ __device__ __forceinline__ void load_rows(T* dst, const T* base, int64_t st, int
 // Key j0 + r of a tile (r < 16) lives at page * st[0] + slot * st[2] of the pools, found
 // through its batch row's page-table row `table` by lane r once a tile: the lane's K and V
 // offsets, and the warp's bitmask of the tile's readable keys (below jend, on a page index
-// inside [0, num_pages); cuda_common::physical_page). Keys outside it are never read.
+// inside [0, num_pages): cuda_common::checked_page). Keys outside it are never read.
+// The lookup is two steps so that a kernel can load a tile's table entry (paged_entry) a
+// tile step before it needs the offsets (paged_rows): the load's latency then hides behind
+// that step instead of stalling the warp's next copies.
 struct PagedRows {
   int64_t koff, voff;  // lane r's key row (lanes 16..31: lane - 16's)
   unsigned readable;   // bit r: key j0 + r is read
 };
 
-__device__ __forceinline__ PagedRows paged_rows(const Args& a, const int32_t* table, int j0,
-                                                int jend, int lane) {
+// Lane r's page-table entry for key j0 + r (lanes 16..31: lane - 16's); -1 past jend.
+__device__ __forceinline__ int paged_entry(const Args& a, const int32_t* table, int j0, int jend,
+                                           int lane) {
   const int j = j0 + (lane & 15);
-  int page = -1, slot = 0;
-  if (j < jend) {
-    const int logical = j / a.page_size;
-    slot = j - logical * a.page_size;
-    const int idx = table[logical];
-    page = idx >= 0 && idx < a.num_pages ? idx : -1;
-  }
+  return j < jend ? table[j / a.page_size] : -1;
+}
+
+// The tile's rows from each lane's paged_entry for the same j0.
+__device__ __forceinline__ PagedRows paged_rows(const Args& a, int entry, int j0, int lane) {
+  const int j = j0 + (lane & 15);
+  const int page = cuda_common::checked_page(entry, a.num_pages);
+  const int slot = j % a.page_size;
   PagedRows r;
   r.koff = page >= 0 ? page * a.ks[0] + slot * a.ks[2] : 0;
   r.voff = page >= 0 ? page * a.vs[0] + slot * a.vs[2] : 0;

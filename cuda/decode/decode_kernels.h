@@ -108,7 +108,7 @@ constexpr bool kPrefetchBuilt = (D == 128 && DV == 128) || (D == 512 && DV == 51
 // Tuning builds add variants (JAX_SDPA_CUDA_DECODE_CFG=W,S) at D = Dv = 128 and 512.
 template <int D, int DV>
 struct TcDefault {
-  static constexpr int W = tuning::kTcWarps;
+  static constexpr int W = tuning::kTcWarps<D, DV>;
   static constexpr int S = tuning::kTcStages<D, DV>;
 };
 
@@ -156,17 +156,19 @@ cudaError_t launch_with_maps(const Args& a, const TmaMaps* maps, dim3 grid, int 
   }
 }
 
-template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false, bool PAGED = false>
 KernelInfo tma_info() {
   using Cfg = TmaConfig<T, D, DV, NT, W, S, CM>;
   static_assert(Cfg::kSmem <= 227 * 1024, "decode_tma_kernel: too much shared memory");
-  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S, CM>;
+  constexpr auto kernel = &decode_tma_kernel<T, D, DV, NT, W, S, CM, PAGED>;
   KernelVariant v{W, S, 0, false, true};
   v.cluster = CM;
+  v.paged = PAGED;
   KernelInfo k = describe<T, DV>(reinterpret_cast<const void*>(kernel),
                                  &launch_with_maps<kernel, CM>, Cfg::kThreads, Cfg::kSmem, true, v);
-  k.tma_box_keys = Cfg::kKeys;          // one box a stage: all of D ...
-  k.tma_chunk_boxes = Cfg::kChunked;  // ... or one a 64-wide chunk (D256)
+  // One box a stage (paged: a warp's 16-key tile), of all of D or (D256) a 64-wide chunk.
+  k.tma_box_keys = PAGED ? kTileKeys : Cfg::kKeys;
+  k.tma_chunk_boxes = Cfg::kChunked;
   return k;
 }
 
@@ -175,9 +177,25 @@ KernelInfo tma_info() {
 // 132/1, W8 S3 197/1, W2 S4 66/3). D = Dv = 256 (a stage is twice the bytes): W4 S2
 // 137/1, W4 S3 201/1, W2 S4 137/1, W2 S6 201/1, W6 S2 201/1. Null where not built.
 // cluster: the cluster-merge variant (built for the defaults: D128 W8 S2 and W4 S2, D256
-// W4 S3 and W4 S2).
+// W4 S3 and W4 S2). paged: built for the defaults (and their cluster variants) only.
 template <typename T, int D, int DV, int NT>
-KernelInfo tma_select(int w, int s, bool cluster) {
+KernelInfo tma_select(int w, int s, bool cluster, bool paged) {
+  if (paged) {
+    if constexpr (NT == 1 && D == 128 && DV == 128) {
+      if (w == 8 && s == 2)
+        return cluster ? tma_info<T, D, DV, NT, 8, 2, true, true>()
+                       : tma_info<T, D, DV, NT, 8, 2, false, true>();
+      if (w == 4 && s == 2)
+        return cluster ? tma_info<T, D, DV, NT, 4, 2, true, true>()
+                       : tma_info<T, D, DV, NT, 4, 2, false, true>();
+    }
+    if constexpr (NT == 1 && D == 256 && DV == 256) {
+      if (w == 4 && s == 3)
+        return cluster ? tma_info<T, D, DV, NT, 4, 3, true, true>()
+                       : tma_info<T, D, DV, NT, 4, 3, false, true>();
+    }
+    return KernelInfo{};
+  }
   if constexpr (D == 256 && DV == 256 && NT == 1) {
     if (cluster) {
       if (w == 4 && s == 3) return tma_info<T, D, DV, NT, 4, 3, true>();
@@ -273,13 +291,12 @@ KernelInfo wide_select(int nw, int s) {
 }
 
 // decode_tc_kernel over paged K/V, in its default shape (W, S as TcDefault): built for the
-// head dims of kPagedHeadDim.
+// head dims of kPagedHeadDim. Tuning builds add W,S variants (JAX_SDPA_CUDA_DECODE_CFG).
 template <int D, int DV>
 constexpr bool kPagedHeadDim = D == DV && (D == 64 || D == 128 || D == 256);
 
-template <typename T, int D, int DV, int NT>
+template <typename T, int D, int DV, int NT, int W, int S>
 KernelInfo tc_paged_info() {
-  constexpr int W = TcDefault<D, DV>::W, S = TcDefault<D, DV>::S;
   using Cfg = TcConfig<T, D, DV, NT, W, S>;
   KernelVariant v{W, S, kTcPrefetch, false};
   v.paged = true;
@@ -287,10 +304,34 @@ KernelInfo tc_paged_info() {
       Cfg::kThreads, Cfg::kSmem, true, v);
 }
 
+template <typename T, int D, int DV, int NT, int W, int S>
+constexpr bool kTcFits = TcConfig<T, D, DV, NT, W, S>::kSmem + 64 <= 227 * 1024;
+
+template <typename T, int D, int DV, int NT>
+KernelInfo tc_paged_select(int w, int s) {
+#if JAX_SDPA_TUNING
+#define JAX_SDPA_PAGED_VARIANT(W, S) \
+  if constexpr (kTcFits<T, D, DV, NT, W, S>) \
+    if (w == W && s == S) return tc_paged_info<T, D, DV, NT, W, S>();
+  JAX_SDPA_PAGED_VARIANT(4, 3)
+  JAX_SDPA_PAGED_VARIANT(4, 4)
+  JAX_SDPA_PAGED_VARIANT(8, 2)
+  JAX_SDPA_PAGED_VARIANT(8, 3)
+  JAX_SDPA_PAGED_VARIANT(8, 4)
+  JAX_SDPA_PAGED_VARIANT(16, 2)
+#undef JAX_SDPA_PAGED_VARIANT
+#else
+  (void)w;
+  (void)s;
+#endif
+  return tc_paged_info<T, D, DV, NT, TcDefault<D, DV>::W, TcDefault<D, DV>::S>();
+}
+
 template <typename T, int D, int DV, int NT>
 KernelInfo tc_select(const KernelVariant& want) {
   if (want.paged) {
-    if constexpr (kPagedHeadDim<D, DV>) return tc_paged_info<T, D, DV, NT>();
+    if (want.tma) return tma_select<T, D, DV, NT>(want.warps, want.stages, want.cluster, true);
+    if constexpr (kPagedHeadDim<D, DV>) return tc_paged_select<T, D, DV, NT>(want.warps, want.stages);
     return KernelInfo{};
   }
   int w = want.warps, s = want.stages;
@@ -302,7 +343,7 @@ KernelInfo tc_select(const KernelVariant& want) {
     }
     w = s = 0;
   } else if (want.tma) {  // (W, S) name a TMA variant: where none is built, the default
-    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.cluster);
+    KernelInfo k = tma_select<T, D, DV, NT>(w, s, want.cluster, false);
     if (k.func != nullptr) return k;
     w = s = 0;
   } else if (want.wide) {  // (NW, S) name a wide variant: where none is built, the default
@@ -329,6 +370,11 @@ KernelInfo tc_select(const KernelVariant& want) {
       if (w == 8 && s == 2 && pf == 0) return tc_info<T, D, DV, NT, 8, 2, 0>();
       if (w == 8 && s == 2 && pf == 256) return tc_info<T, D, DV, NT, 8, 2, 256>();
     }
+  }
+  if constexpr (D == 64 && DV == 64) {
+    if (w == 4 && s == 2) return tc_info<T, D, DV, NT, 4, 2, kTcPrefetch>();
+    if (w == 8 && s == 3) return tc_info<T, D, DV, NT, 8, 3, kTcPrefetch>();
+    if (w == 16 && s == 2) return tc_info<T, D, DV, NT, 16, 2, kTcPrefetch>();
   }
   if constexpr (D == 128 && DV == 128) {
     // smem (KB) / blocks per SM: W2S4 81/2, W3S3 90/2, W2S5 100/2, W4S3 119/1, W4S4 157/1,

@@ -203,18 +203,32 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   const T* vbase = kv_head_base<T, PAGED>(a.v, a.vs, b, kvh);
   const int32_t* table = PAGED ? a.pages + static_cast<int64_t>(b) * a.pages_per_seq : nullptr;
   T* myring = ring + w * S * STAGE;
-  auto issue = [&](T* stage, int j0) {
-    if constexpr (PAGED)
-      load_paged_tile<T, D, DV, DP, DVP, PF>(stage, kbase, vbase,
-                                             paged_rows(a, table, j0, ks1, lane), lane);
-    else
-      load_tile<T, D, DV, DP, DVP, PF>(stage, kbase, vbase, a.ks[2], a.vs[2], j0, ks1, lane);
+  auto tile_key = [&](int i) { return ks0 + (w + i * W) * kTileKeys; };  // my i-th tile's j0
+  // paged: the table entry of the next tile to issue, loaded a tile step ahead, and the
+  // readable-key masks of the tiles in flight, oldest first (a FIFO in registers).
+  int next_entry = PAGED && 0 < my_tiles ? paged_entry(a, table, tile_key(0), ks1, lane) : -1;
+  [[maybe_unused]] unsigned in_flight[S];
+  auto issue = [&](int i) {  // my i-th tile's copies into its stage
+    T* stage = myring + (i % S) * STAGE;
+    if constexpr (PAGED) {
+      const PagedRows rows = paged_rows(a, next_entry, tile_key(i), lane);
+      in_flight[S - 1] = rows.readable;
+      if (i + 1 < my_tiles) next_entry = paged_entry(a, table, tile_key(i + 1), ks1, lane);
+      load_paged_tile<T, D, DV, DP, DVP, PF>(stage, kbase, vbase, rows, lane);
+    } else {
+      load_tile<T, D, DV, DP, DVP, PF>(stage, kbase, vbase, a.ks[2], a.vs[2], tile_key(i), ks1,
+                                       lane);
+    }
   };
 
   // Start the first tiles' copies before anything else.
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < my_tiles) issue(myring + st * STAGE, ks0 + (w + st * W) * kTileKeys);
+    if (st < my_tiles) issue(st);
+    if constexpr (PAGED) {
+#pragma unroll
+      for (int f = 0; f + 1 < S; ++f) in_flight[f] = in_flight[f + 1];
+    }
     cp_async_commit();
   }
 
@@ -233,16 +247,21 @@ __global__ void __launch_bounds__(W * 32, 1) decode_tc_kernel(const Args a) {
   for (int it = 0; it < my_tiles; ++it) {
     {
       const int nx = it + S - 1;
-      if (nx < my_tiles) issue(myring + (nx % S) * STAGE, ks0 + (w + nx * W) * kTileKeys);
+      if (nx < my_tiles) issue(nx);
       cp_async_commit();
     }
     cp_async_wait<S - 1>();
     __syncwarp();
     const T* Ks = myring + (it % S) * STAGE;
     const T* Vs = Ks + kTileKeys * DP;
-    const int j0 = ks0 + (w + it * W) * kTileKeys;
+    const int j0 = tile_key(it);
     // paged: the keys the table places (the others were zero-filled; their scores -inf)
-    const unsigned readable = PAGED ? paged_rows(a, table, j0, ks1, lane).readable : 0u;
+    unsigned readable = 0u;
+    if constexpr (PAGED) {
+      readable = in_flight[0];
+#pragma unroll
+      for (int f = 0; f + 1 < S; ++f) in_flight[f] = in_flight[f + 1];
+    }
 
     // Thread (g, t) reads 8 consecutive head-dim elements [32c + 8t, +8) of Q rows g,
     // g+8 and K keys g, g+8; elements {0..3} feed the first k16 step and {4..7} the

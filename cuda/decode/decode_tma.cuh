@@ -61,25 +61,30 @@ __device__ __forceinline__ void init_stage_ring(uint64_t* full, uint64_t* empty,
   mbar_init_fence();
 }
 
+// The maps' tensor coordinates of dims 2..4 for (kv head, key, batch) (selects, not an
+// indexed local array: that would live on the stack).
+__device__ __forceinline__ void tma_coords(const TmaMaps& maps, int kvh, int key, int b, int& c2,
+                                           int& c3, int& c4) {
+  auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
+  c2 = pick(maps.order[0]);
+  c3 = pick(maps.order[1]);
+  c4 = pick(maps.order[2]);
+}
+
 // The producer thread's loop over stages [it0, it1): stage `it` (keys key0 + it *
 // keys_per_stage) goes to ring slot it % S once the slot's previous stage was released;
-// issue(slot, slot barrier, c2, c3, c4) starts its copies, at the maps' tensor
-// coordinates of dims 2..4. The first S stages need no release: the thread that
-// initialized the ring issues them before the block's first barrier (start_ring).
+// issue(slot, slot barrier, first key) starts its copies. The first S stages need no
+// release: the thread that initialized the ring issues them before the block's first
+// barrier (start_ring).
 template <int S, typename Issue>
-__device__ __forceinline__ void produce_stages(const TmaMaps& maps, uint64_t* full,
-                                               uint64_t* empty, uint32_t stage_bytes, int it0,
-                                               int it1, int kvh, int b, int key0,
+__device__ __forceinline__ void produce_stages(uint64_t* full, uint64_t* empty,
+                                               uint32_t stage_bytes, int it0, int it1, int key0,
                                                int keys_per_stage, Issue issue) {
   for (int it = it0; it < it1; ++it) {
     const int s = it % S;
     if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
     mbar_arrive_expect_tx(&full[s], stage_bytes);
-    const int key = key0 + it * keys_per_stage;
-    // Coordinate of tensor dim 2 + i: (kv head, key, batch)[order[i]] (selects, not an
-    // indexed local array: that would live on the stack).
-    auto pick = [&](int o) { return o == 0 ? kvh : (o == 1 ? key : b); };
-    issue(s, &full[s], pick(maps.order[0]), pick(maps.order[1]), pick(maps.order[2]));
+    issue(s, &full[s], key0 + it * keys_per_stage);
   }
 }
 
@@ -109,12 +114,11 @@ __device__ __forceinline__ void prefetch_maps(const TmaMaps& maps) {
 // and the first min(S, nst) stages issued, so that the first bytes are on their way
 // while the block sets up (Q rows).
 template <int S, typename Issue>
-__device__ __forceinline__ void start_ring(const TmaMaps& maps, uint64_t* full, uint64_t* empty,
-                                           int consumers, uint32_t stage_bytes, int nst, int kvh,
-                                           int b, int key0, int keys_per_stage, Issue issue) {
+__device__ __forceinline__ void start_ring(uint64_t* full, uint64_t* empty, int consumers,
+                                           uint32_t stage_bytes, int nst, int key0,
+                                           int keys_per_stage, Issue issue) {
   init_stage_ring<S>(full, empty, consumers);
-  produce_stages<S>(maps, full, empty, stage_bytes, 0, nst < S ? nst : S, kvh, b, key0,
-                    keys_per_stage, issue);
+  produce_stages<S>(full, empty, stage_bytes, 0, nst < S ? nst : S, key0, keys_per_stage, issue);
 }
 
 template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
@@ -265,7 +269,12 @@ __device__ __forceinline__ void cluster_finish(const Args& a, float* red, float*
   cluster.sync();  // no block leaves while the others still read its partial
 }
 
-template <typename T, int D, int DV, int NT, int W, int S, bool CM = false>
+// PAGED: K and V are page pools (page size a multiple of 16) mapped as (kv head, key in
+// page, page): each consumer warp's 16-key tile is its own copy, at the page the table
+// places it on (the producer thread looks the pages up). A tile past the split's keys or
+// on a page outside [0, num_pages) is fetched from page num_pages, outside the map:
+// zero-filled, nothing read, and its keys are invisible.
+template <typename T, int D, int DV, int NT, int W, int S, bool CM = false, bool PAGED = false>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     decode_tma_kernel(const Args a, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -290,19 +299,59 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
   split_range<TK>(a, r0, RB, split, qlen, kvlen, &ks0, &ks1);
   const int nst = (ks1 - ks0 + TK - 1) / TK;  // stages: every split but the last is whole ones
 
+  const int32_t* table = PAGED ? a.pages + static_cast<int64_t>(b) * a.pages_per_seq : nullptr;
+  // paged: the pages of the next stage's tiles, looked up one stage early (by the producer
+  // thread) so that the table loads overlap its wait for a free stage.
+  [[maybe_unused]] int ahead[W];
+  auto look_up = [&](int key) {
+#pragma unroll
+    for (int u = 0; u < W; ++u) {
+      const int j = key + u * kTileKeys;
+      ahead[u] = j < ks1 ? table[j / a.page_size] : -1;
+    }
+  };
+  if (PAGED && tid == W * 32) look_up(ks0);
   // One 16-key tile of K and V of every consumer warp a stage: one copy each (chunked:
-  // one a 64-wide chunk).
-  auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
+  // one a 64-wide chunk); paged: one copy each warp's tile (and chunk).
+  auto issue = [&](int s, uint64_t* bar, int key) {
     unsigned char* st = ring + s * Cfg::kStageBytes;
-    if constexpr (Cfg::kChunked) {
-      issue_chunk_tiles<D, DV>(st, Cfg::kKBytes, TK * 128, maps, bar, c2, c3, c4);
+    int c2, c3, c4;
+    if constexpr (PAGED) {
+      int page[W];
+#pragma unroll
+      for (int u = 0; u < W; ++u) page[u] = cuda_common::checked_page(ahead[u], a.num_pages);
+      look_up(key + TK);
+#pragma unroll
+      for (int u = 0; u < W; ++u) {
+        const int j = key + u * kTileKeys;
+        tma_coords(maps, kvh, j % a.page_size, page[u] >= 0 ? page[u] : a.num_pages, c2, c3, c4);
+        if constexpr (Cfg::kChunked) {
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c)
+            tma_load_5d(st + c * (TK * 128) + warp_tile_base<T, D>(u), &maps.k, bar, 0, c, c2,
+                        c3, c4);
+#pragma unroll
+          for (int c = 0; c < DV / 64; ++c)
+            tma_load_5d(st + Cfg::kKBytes + c * (TK * 128) + warp_tile_base<T, DV>(u), &maps.v,
+                        bar, 0, c, c2, c3, c4);
+        } else {
+          tma_load_5d(st + warp_tile_base<T, D>(u), &maps.k, bar, 0, 0, c2, c3, c4);
+          tma_load_5d(st + Cfg::kKBytes + warp_tile_base<T, DV>(u), &maps.v, bar, 0, 0, c2, c3,
+                      c4);
+        }
+      }
     } else {
-      tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
-      tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
+      tma_coords(maps, kvh, key, b, c2, c3, c4);
+      if constexpr (Cfg::kChunked) {
+        issue_chunk_tiles<D, DV>(st, Cfg::kKBytes, TK * 128, maps, bar, c2, c3, c4);
+      } else {
+        tma_load_5d(st, &maps.k, bar, 0, 0, c2, c3, c4);
+        tma_load_5d(st + Cfg::kKBytes, &maps.v, bar, 0, 0, c2, c3, c4);
+      }
     }
   };
   const uint32_t stage_bytes = static_cast<uint32_t>(Cfg::kStageBytes);
-  if (tid == W * 32) start_ring<S>(maps, full, empty, W, stage_bytes, nst, kvh, b, ks0, TK, issue);
+  if (tid == W * 32) start_ring<S>(full, empty, W, stage_bytes, nst, ks0, TK, issue);
   // Q rows of the block -> smem (zeros past the group / chunk), by the consumer warps,
   // while the first stages are in flight.
   if (w < W) load_q_rows<T, D, D, 16, RB, W * 32>(Qs, a, b, kvh, r0, tid);
@@ -316,7 +365,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
     // Producer: one thread keeps the ring full (a stage is refilled once all W
     // consumers have released it).
     if (lane == 0)
-      produce_stages<S>(maps, full, empty, stage_bytes, S, nst, kvh, b, ks0, TK, issue);
+      produce_stages<S>(full, empty, stage_bytes, S, nst, ks0, TK, issue);
   } else {
     // Consumer warp w: the w-th 16-key tile of every stage.
     const RowInfo rowA = row_info(a, b, kvh, r0 + g, qlen, kvlen);
@@ -342,8 +391,13 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 
     for (int it = 0; it < nst; ++it) {
       const int s = it % S;
-      mbar_wait(&full[s], (it / S) & 1);
       const int j0 = ks0 + it * TK + kTileKeys * w;
+      // paged: is the tile's page placed? (looked up before the wait, which hides the load)
+      [[maybe_unused]] bool placed = true;
+      if constexpr (PAGED)
+        placed = j0 < ks1 &&
+                 cuda_common::checked_page(table[j0 / a.page_size], a.num_pages) >= 0;
+      mbar_wait(&full[s], (it / S) & 1);
       const unsigned char* Kt = ring + s * Cfg::kStageBytes + warp_tile_base<T, D>(w);
       unsigned char* Vt = ring + s * Cfg::kStageBytes + Cfg::kKBytes + warp_tile_base<T, DV>(w);
       if (j0 < ks1) {
@@ -375,7 +429,10 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
           k0 = *reinterpret_cast<const uint4*>(Kt + kv_offset<D, TK>(krow0, f));
           k1 = *reinterpret_cast<const uint4*>(Kt + kv_offset<D, TK>(krow1, f));
         };
-        auto key = [&](int n, int e1) { return j0 + srow[n][e1]; };
+        auto key = [&](int n, int e1) {
+          if constexpr (PAGED) return placed ? j0 + srow[n][e1] : -1;  // -1: before first
+          return j0 + srow[n][e1];
+        };
         // Thread (g, t) reads dv chunk pv_chunk(c, g) of the rows behind keys 2t, 2t+1,
         // 2t+8, 2t+9: m-tile j's rows g / g+8 are dv 8 pv_chunk + 2j / +1.
         auto pv = [&](int c, uint4& v0, uint4& v1, uint4& v2, uint4& v3) {

@@ -28,7 +28,11 @@ constexpr int kTcPrefetch = 128;
 // D512 (34 KB a stage): W4 S1, 150 KB, 1 block. Four warps with no copy in flight beat
 // three with one (W3 S2) at D512: 47.4 vs 50.6 us a call at B1 H32/KV4 Lk8192
 // (profile_20261130_run5.json, profile_20261130T1405.json).
-constexpr int kTcWarps = 4;
+// D = Dv = 64 takes W8 S2 (H100, benchmarks/results/h100/paged_sweep_cp_async.json, us a call):
+// B8 H32/KV8 Lk8192 fp16 with lengths, paged (page 16) 72.2 -> 59.9 (W4 S3 75.4, W4 S4
+// 74.1, W8 S3 61.0, W16 S2 63.4), contiguous 61.7 -> 57.8.
+template <int D, int DV>
+constexpr int kTcWarps = (D == 64 && DV == 64) ? 8 : 4;
 template <int D, int DV>
 constexpr int kTcStages = (D + DV <= 256) ? 2 : 1;
 

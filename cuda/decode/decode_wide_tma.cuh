@@ -88,7 +88,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   const int nst = key_steps(ks0, ks1);
 
   // One copy per 64-wide chunk tile of a stage's K and V.
-  auto issue = [&](int s, uint64_t* bar, int c2, int c3, int c4) {
+  auto issue = [&](int s, uint64_t* bar, int key) {
+    int c2, c3, c4;
+    tma_coords(maps, kvh, key, b, c2, c3, c4);
     issue_chunk_tiles<D, DV>(ring + s * Cfg::kStageBytes, Cfg::kKBytes, CB, maps, bar, c2, c3,
                              c4);
   };
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   if (w == NW) {
     // Producer: one thread; a stage is refilled once all NW consumers released it.
     if (lane == 0)
-      produce_stages<S>(maps, full, empty, stage_bytes, 0, nst, kvh, b, ks0, kTileKeys, issue);
+      produce_stages<S>(full, empty, stage_bytes, 0, nst, ks0, kTileKeys, issue);
     return;  // no block barrier below: the consumers end on their own
   }
 
