@@ -122,11 +122,22 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
       ctx.nsplit = 1;  // no room for the shares: unsplit
     }
   }
+#if defined(__AVX512BF16__)
+  // bf16 on AMX over a contiguous cache with several tiles a head: V^T packed once for all
+  // of them (FwdCtx::vt; without room, each tile packs its blocks).
+  if (bf16_products(p) && !narrow && !p.paged() && ctx.tiles >= 4 && amx_bf16_enabled()) {
+    ctx.vt_blocks = (p.len_kv + kBk - 1) / kBk;
+    ctx.vt = static_cast<uint32_t*>(
+        malloc((size_t)(p.batch * p.heads_kv * ctx.vt_blocks * Dv * (kBk / 2)) * sizeof(uint32_t)));
+    if (ctx.vt) pool.parallel_for(p.batch * p.heads_kv, pack_vt_task, &ctx, shared);
+  }
+#endif
   pool.parallel_for(group_tasks * ctx.nsplit, fwd_task, &ctx, shared);
   free(ctx.arena.base);
   free(ctx.segs.lo);
   free(ctx.part);
   free(ctx.done);
+  free(ctx.vt);
   return nullptr;
 }
 
@@ -197,7 +208,9 @@ const char* backward(const SdpaParams& p, const SdpaBwdBuffers& buf, ThreadPool&
                2 * floats_bytes(kBk * kBq) + 2 * floats_bytes(kBq) +
                floats_bytes(2 * max64(Dp, Dvp)) + floats_bytes(ctx.chunk * pair_words(D)) +
                floats_bytes(ctx.chunk * pair_words(Dv)) + floats_bytes(pair_words(D) * kBq) +
-               floats_bytes(pair_words(Dv) * kBq);
+               floats_bytes(pair_words(Dv) * kBq) + floats_bytes(D * bwd_kt_words(ctx.chunk)) +
+               2 * floats_bytes(kBk * kBq / 2) + floats_bytes(kBk / 2 * kBq) +
+               floats_bytes(kBq / 2 * Dp) + floats_bytes(kBq / 2 * Dvp) + floats_bytes(D * kBq);
   if (!arena_alloc(&ctx.arena, per, pool.capacity())) {
     free(ctx.dq_part);
     return "jax_sdpa cpu: out of memory (backward scratch)";

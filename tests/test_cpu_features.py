@@ -534,6 +534,35 @@ def test_bf16_forward_and_backward_match_float64(shape, case, rng):
         assert _rel(g, wg[name]) <= oracle.tolerance("bfloat16", grad=True, **bf16), name
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 1, 150, 150, 64, 64), (1, 2, 1, 260, 300, 128, 128),
+                                   (1, 6, 2, 100, 190, 80, 80)],
+                         ids=lambda s: "b{}h{}k{}q{}k{}d{}v{}".format(*s))
+def test_bf16_prefill_of_many_tiles_matches_float64(shape, causal, rng):
+    """bf16 prefill of at least four query tiles a kv head: on AMX, K's rows are read in
+    place and V^T is packed once for every tile (whole key blocks and the call's last; a
+    block cut short by a row's length or a GQA tile's causal end packs its own). Per-row
+    lengths end mid-block with NaN past them, never read."""
+    b, hq, hk, lq, lk, d, dv = shape
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    q, k, v = (np.array(bf(_normal(rng, *s)).astype(jnp.float32))
+               for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
+    kvl = np.array([lk] + [lk - 37] * (b - 1), np.int32) if b > 1 else np.array([lk - 45],
+                                                                                np.int32)
+    for bb in range(b):
+        k[bb, :, kvl[bb]:] = np.nan
+        v[bb, :, kvl[bb]:] = np.nan
+    kw = dict(scale=1 / np.sqrt(d), kv_lengths=kvl)
+    if causal:
+        kw.update(window_right=0, bottom_right=True)
+    out, lse = _call_fwd(bf(q), bf(k), bf(v), **kw)
+    want, want_lse = oracle.forward(q.astype(np.float64), np.nan_to_num(k.astype(np.float64)),
+                                    np.nan_to_num(v.astype(np.float64)), **kw)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert _rel(out.astype(np.float32), want) <= oracle.tolerance("bfloat16", case="cpu_bfloat16")
+    assert _lse_err(lse, want_lse) <= oracle.lse_tolerance("bfloat16", "cpu")
+
+
 BF16_DECODE_SHAPES = [  # b, hq, hk, lq, lk, d, dv: decode-shaped tiles (at most 8 rows)
     (1, 8, 2, 1, 300, 48, 48),      # D an odd multiple of 16: a half vector of bf16 pairs
     (2, 8, 1, 1, 257, 128, 80),     # 8 rows; Dv = 2.5 vectors of pairs; odd key count

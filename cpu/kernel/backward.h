@@ -4,6 +4,10 @@
 #pragma once
 
 // ---- backward ---------------------------------------------------------------------
+// Words of a K^T row in the backward's AMX path: the chunk's key pairs and one tile of zeros
+// (a chunk's last block reads whole tiles).
+inline int64_t bwd_kt_words(int64_t chunk) { return chunk / 2 + 16; }
+
 struct BwdCtx {
   const SdpaParams* p;
   const SdpaBwdBuffers* buf;
@@ -58,6 +62,19 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   uint32_t* Vpc = reinterpret_cast<uint32_t*>(cv.floats(ctx.chunk * pair_words(Dv)));
   uint32_t* Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
   uint32_t* dOp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(Dv) * kBq));
+  // On AMX tiles dV, dK and dQ^T take bf16 pairs too, with P and dS rounded to bf16 as GPU
+  // flash kernels round them: P^T and dS^T rows in pairs along the queries (Pa, dSa), the
+  // tile's Q and dO rows (Qb, dOb) and dS^T (dSb) in pairs across rows, and K^T (Kt: D rows
+  // of the chunk's key pairs and a tile's more of zeros, packed once a chunk). dQ^T sums in
+  // dQt until the tile's last block.
+  const int64_t ktw = bwd_kt_words(ctx.chunk);
+  uint32_t* Kt = reinterpret_cast<uint32_t*>(cv.floats(D * ktw));
+  uint32_t* Pa = reinterpret_cast<uint32_t*>(cv.floats(kBk * kBq / 2));
+  uint32_t* dSa = reinterpret_cast<uint32_t*>(cv.floats(kBk * kBq / 2));
+  uint32_t* dSb = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * kBq));
+  uint32_t* Qb = reinterpret_cast<uint32_t*>(cv.floats(kBq / 2 * Dp));
+  uint32_t* dOb = reinterpret_cast<uint32_t*>(cv.floats(kBq / 2 * Dvp));
+  float* dQt = cv.floats(D * kBq);
 
   const int64_t kbase = b * p.k_stride[0] + hk * p.k_stride[1];
   const int64_t vbase = b * p.v_stride[0] + hk * p.v_stride[1];
@@ -71,6 +88,7 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   }
 #if defined(__AVX512BF16__)
   const bool bf16 = bf16_products(p);
+  const bool amx = bf16 && amx_bf16_enabled();
   if (bf16)
     for (int64_t j = k0; j < k1; ++j) {
       const bool live = j < k1e;
@@ -79,8 +97,20 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       pack_row_pairs(live ? static_cast<const uint16_t*>(buf.v) + vbase + j * p.v_stride[2]
                           : nullptr, Dv, Vpc + (j - k0) * pair_words(Dv));
     }
+  if (amx) {
+    const uint16_t* kh = static_cast<const uint16_t*>(buf.k) + kbase;
+    for (int64_t q = 0; q < ktw; ++q) {
+      const int64_t j = k0 + 2 * q;
+      const uint16_t* lo = j < k1e ? kh + j * p.k_stride[2] : nullptr;
+      const uint16_t* hi = j + 1 < k1e ? kh + (j + 1) * p.k_stride[2] : nullptr;
+      for (int64_t d = 0; d < D; ++d)
+        Kt[d * ktw + q] = (lo ? lo[d] : 0u) | (hi ? (uint32_t)hi[d] << 16 : 0u);
+    }
+  }
 #else
-  (void)Kpc, (void)Vpc, (void)Qp, (void)dOp;
+  const bool amx = false;
+  (void)Kpc, (void)Vpc, (void)Qp, (void)dOp, (void)Kt, (void)Pa, (void)dSa, (void)dSb;
+  (void)Qb, (void)dOb, (void)dQt;
 #endif
   float* dqp = ctx.dq_part + ((ch * p.batch + b) * p.heads_kv + hk) * (p.len_q * G) * Dp;
 
@@ -89,8 +119,11 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     t.r0 = r0;
     t.n = min64(kBq, rows - r0);
     setup_tile(p, &t);
-    const int64_t js = max64(t.KF, k0), je = min64(t.KL, k1e);
+    int64_t js = max64(t.KF, k0);
+    const int64_t je = min64(t.KL, k1e);
     if (je <= js) continue;
+    if (amx) js -= (js - k0) & 1;  // K^T's pairs start on the chunk's even keys (the key
+                                   // before the tile's first is masked: P = dS = 0)
     if (seg_cover(ctx.segs, b, js, je - js, t.qlo, t.qhi) == SegCover::kNone) continue;
     const int64_t np = t.np;
     pack_rows(p, t, buf.q, p.q_stride, D, Qt, Qr, Dp, tmp);
@@ -99,6 +132,12 @@ void bwd_task(void* vctx, int64_t task, int participant) {
     if (bf16) {
       pack_q_pairs(Qt, D, np, Qp);
       pack_q_pairs(dOt, Dv, np, dOp);
+    }
+    const int64_t k2q = round_up(np / 2, 16);  // pairs of queries, whole tiles
+    if (amx) {
+      pack_pairs_across(Qr, t.n, Dp, Dp, k2q, Qb);
+      pack_pairs_across(dOr, t.n, Dvp, Dvp, k2q, dOb);
+      memset(dQt, 0, D * np * sizeof(float));
     }
 #endif
     for (int64_t c = 0; c < np; ++c) {
@@ -146,10 +185,26 @@ void bwd_task(void* vctx, int64_t task, int participant) {
           storev(dPt + j * np + c0, select(pr == splat(0.0f), splat(0.0f), ds));
         }
       // dV += P^T · dO, dK += dS^T · Q, dQ += dS · K (scale applied at the end)
+#if defined(__AVX512BF16__)
+      if (amx) {
+        const int64_t k2k = round_up(pair_words(jn), 16);  // pairs of keys, whole tiles
+        pack_pairs_along(St, jn, np, np, k2q, Pa, kBq / 2);
+        pack_pairs_along(dPt, jn, np, np, k2q, dSa, kBq / 2);
+        pack_pairs_across(dPt, jn, np, np, k2k, dSb);
+        gemm_bf16_amx(jn, Dvp, k2q, Pa, kBq / 2, dOb, Dvp, nullptr, dVc + (j0 - k0) * Dvp, Dvp,
+                      true);
+        gemm_bf16_amx(jn, Dp, k2q, dSa, kBq / 2, Qb, Dp, nullptr, dKc + (j0 - k0) * Dp, Dp, true);
+        gemm_bf16_amx(D, np, k2k, Kt + (j0 - k0) / 2, ktw, dSb, np, nullptr, dQt, np, true);
+        continue;
+      }
+#endif
       gemm(jn, Dvp, np, St, np, 1, dOr, Dvp, dVc + (j0 - k0) * Dvp, Dvp, true);
       gemm(jn, Dp, np, dPt, np, 1, Qr, Dp, dKc + (j0 - k0) * Dp, Dp, true);
       gemm(t.n, Dp, jn, dPt, 1, np, kb, Dp, dqp + r0 * Dp, Dp, true);
     }
+    if (amx)  // the tile's dQ^T into its rows
+      for (int64_t c = 0; c < t.n; ++c)
+        for (int64_t d = 0; d < D; ++d) dqp[(r0 + c) * Dp + d] += dQt[d * np + c];
   }
   const float scale = (float)p.scale;
   for (int64_t j = k0; j < k1; ++j) {

@@ -18,6 +18,11 @@ struct FwdCtx {
   int64_t part_floats = 0;  // per share: m, l (kBq each), O (kBq * Dv)
   float* part = nullptr;
   int64_t* done = nullptr;
+  // bf16 calls on AMX tiles over a contiguous cache, several tiles a head: V^T as bf16 pairs
+  // along the keys, packed once a call for every tile (pack_vt_task) instead of once a tile
+  // and block: [b * Hk + hk][key block][Dv][kBk / 2] pair words, zeros past the keys.
+  uint32_t* vt = nullptr;
+  int64_t vt_blocks = 0;  // key blocks a (b, hk)
 };
 
 // The softmax state of one tile: row maxima m, sums l, unnormalized O (narrow: rows of Dv,
@@ -165,6 +170,27 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   }
 }
 
+#if defined(__AVX512BF16__)
+// Task (b * Hk + hk) of the V^T packing (FwdCtx::vt).
+void pack_vt_task(void* vctx, int64_t task, int) {
+  const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
+  const SdpaParams& p = *ctx.p;
+  const int64_t Dv = p.head_dim_v, pairs = kBk / 2;
+  const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+  const uint16_t* v =
+      static_cast<const uint16_t*>(ctx.buf->v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  uint32_t* dst = ctx.vt + task * ctx.vt_blocks * Dv * pairs;
+  for (int64_t blk = 0; blk < ctx.vt_blocks; ++blk, dst += Dv * pairs)
+    for (int64_t q = 0; q < pairs; ++q) {
+      const int64_t j = blk * kBk + 2 * q;
+      const uint16_t* lo = j < p.len_kv ? v + j * p.v_stride[2] : nullptr;
+      const uint16_t* hi = j + 1 < p.len_kv ? v + (j + 1) * p.v_stride[2] : nullptr;
+      for (int64_t d = 0; d < Dv; ++d)
+        dst[d * pairs + q] = (lo ? lo[d] : 0u) | (hi ? (uint32_t)hi[d] << 16 : 0u);
+    }
+}
+#endif
+
 // Folds keys [j0, j0 + jn) into the tile's softmax state. St is [keys][np] (narrow tiles:
 // dense [keys][np2], narrow_softmax); narrow tiles need sc.zero_row = 0.
 void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_t j0,
@@ -182,6 +208,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
   bool hidden_runs = false;
   for (int64_t r = 0; r < nruns; ++r) hidden_runs |= runs[r].k < 0;
   const bool f32 = p.dtype == DType::kF32;
+  const uint32_t* vt_block = nullptr;  // this block's packed V^T (FwdCtx::vt), if it has one
   // S^T = K · Q^T, run by run with float32 K rows in place; 16-bit rows converted into
   // scratch (zeros for hidden runs) and used as one run.
   if (st.narrow) {
@@ -231,8 +258,20 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
         krow[runs[r].j + j] = hidden ? nullptr : kp + runs[r].k + j * p.k_stride[2];
         vrow[runs[r].j + j] = hidden ? nullptr : vp + runs[r].v + j * p.v_stride[2];
       }
-    pack_kv_pairs(krow, vrow, jn, D, Dv, sc.Kp, sc.Vp);
-    gemm_bf16(jn, np, pair_words(D), sc.Kp, pair_words(D), 1, sc.Qp, np, St, np, false);
+    // One visible run of even-length, pair-aligned rows: K's rows are its pairs, read in
+    // place. The packed V^T serves a whole block, or the last (zeros past the keys): a
+    // shorter block's keys past jn may hold NaN that P = 0 must not meet.
+    const bool one_run = nruns == 1 && runs[0].k >= 0;
+    const bool k_in_place = one_run && D % 2 == 0 && p.k_stride[2] % 2 == 0 && runs[0].k % 2 == 0;
+    if (one_run && ctx.vt && j0 % kBk == 0 && (jn == kBk || j0 + jn == p.len_kv))
+      vt_block = ctx.vt + ((t.b * p.heads_kv + t.hk) * ctx.vt_blocks + j0 / kBk) * Dv * (kBk / 2);
+    if (!k_in_place) pack_k_pairs(krow, jn, D, sc.Kp);
+    if (!vt_block) pack_v_pairs(vrow, jn, Dv, sc.Vp);
+    if (k_in_place)
+      gemm_bf16(jn, np, pair_words(D), reinterpret_cast<const uint32_t*>(kp + runs[0].k),
+                p.k_stride[2] / 2, 1, sc.Qp, np, St, np, false);
+    else
+      gemm_bf16(jn, np, pair_words(D), sc.Kp, pair_words(D), 1, sc.Qp, np, St, np, false);
 #endif
   } else {
     load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
@@ -268,10 +307,10 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     vf mo = loadv(m + c0);
     vf mn = vmax(mo, mx);
     vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
-    vf al = vexp(mo - mu);
+    vf al = vexp_diff(mo, mu);
     vf sum = vf{};
     for (int64_t j = 0; j < jn; ++j) {
-      vf e = vexp(loadv(St + j * np + c0) - mu);
+      vf e = vexp_diff(loadv(St + j * np + c0), mu);
       storev(St + j * np + c0, e);
       sum += e;
     }
@@ -294,7 +333,13 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
 #if defined(__AVX512BF16__)
   } else if (bf16_products(p)) {
     pack_p_pairs(St, jn, np, sc.Pp);
-    gemm_bf16(Dv, np, pair_words(jn), sc.Vp, 1, Dv, sc.Pp, np, Ot, np, true);
+    if (vt_block) {  // P's pair rows zero up to whole tiles, as V^T's are
+      const int64_t k2 = pair_words(jn), k2p = round_up(k2, 16);
+      memset(sc.Pp + k2 * np, 0, (k2p - k2) * np * sizeof(uint32_t));
+      gemm_bf16_amx(Dv, np, k2p, vt_block, kBk / 2, sc.Pp, np, nullptr, Ot, np, true);
+    } else {
+      gemm_bf16(Dv, np, pair_words(jn), sc.Vp, 1, Dv, sc.Pp, np, Ot, np, true);
+    }
 #endif
   } else {
     gemm(Dv, np, jn, sc.Vf, 1, Dv, St, np, Ot, np, true);

@@ -122,105 +122,112 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16];
 };
 
-// C tiles tmm0 .. tmm(NT-1) for rows [0, mr), A in tmm4, B in tmm5 / tmm6 / tmm7.
-template <int NT>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int mr) {
+// Tiles have no renaming: a load into a tile waits for every product still reading it. So
+// each loaded tile feeds two products, and no load reuses a tile a product of the same step
+// reads. The 2 x 2 block: C tiles 0, 1 = rows [0, 16) x columns [0, 16), [16, 32); C tiles
+// 2, 3 = rows [16, 16 + rb) x the same; A rows in tiles 4 (first 16) and 5, B columns in
+// tiles 6, 7. The 1 x NT block (NT <= 2; the last rows or columns): C tiles 0 .. NT - 1 for
+// rows [0, mr), A in tile 4, B in tiles 6, 7.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int ra, int rb) {
   AmxTileConfig cfg{};
   cfg.palette = 1;
-  for (int t = 0; t < NT; ++t) {
-    cfg.rows[t] = (uint8_t)mr;
-    cfg.colsb[t] = 64;
-  }
-  cfg.rows[4] = (uint8_t)mr;
-  cfg.colsb[4] = 64;
-  for (int t = 5; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)ra;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(rb > 0 ? rb : 1);
+  cfg.rows[6] = cfg.rows[7] = 16;
   _tile_loadconfig(&cfg);
 }
 
-// C[r][16t + x] (+)= the pairs' products over K2 of A's row r and B's columns, r < the
-// configured rows, t < NT.
-template <int NT>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_step(const uint32_t* A, int64_t sa,
-                                                           const uint32_t* b, int64_t sb) {
+// C[r][16t + x] (+)= the pairs' products over K2 of A's row r and B's columns (16 pairs of
+// k from A + k, b), for the configured blocks: RB (2 x 2) or the 1 x NT block.
+template <bool RB, int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_step(const uint32_t* A, int64_t lda,
+                                                           int64_t sa, const uint32_t* b,
+                                                           int64_t sb) {
   _tile_loadd(4, A, sa);
-  _tile_loadd(5, b, sb);
-  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, b, sb);
+  _tile_dpbf16ps(0, 4, 6);
   if constexpr (NT > 1) {
-    _tile_loadd(6, b + 16, sb);
-    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, b + 16, sb);
+    _tile_dpbf16ps(1, 4, 7);
   }
-  if constexpr (NT > 2) {
-    _tile_loadd(7, b + 32, sb);
-    _tile_dpbf16ps(2, 4, 7);
-  }
-  if constexpr (NT > 3) {
-    _tile_loadd(5, b + 48, sb);
-    _tile_dpbf16ps(3, 4, 5);
+  if constexpr (RB) {
+    _tile_loadd(5, A + 16 * lda, sa);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
 }
 
-// Bt (if not null): B's last K2 % 16 pair rows, zero-padded to 16, row stride ldbt; A's
-// rows are then readable (and zero) up to K2 rounded up to 16.
-template <int NT>
+// One block (see amx_configure) over K2 pairs. Bt (if not null): B's last K2 % 16 pair rows,
+// zero-padded to 16, row stride ldbt; A's rows are then readable (and zero) up to K2 rounded
+// up to 16.
+template <bool RB, int NT>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_block(int64_t K2, const uint32_t* A,
                                                             int64_t lda, const uint32_t* B,
                                                             int64_t ldb, const uint32_t* Bt,
                                                             int64_t ldbt, float* C, int64_t ldc,
                                                             bool accumulate) {
+  static_assert(!RB || NT == 2, "the 2 x 2 block has two columns of tiles");
   const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // row strides in bytes
+  float* C2 = C + 16 * ldc;
   if (accumulate) {
     _tile_loadd(0, C, sc);
     if constexpr (NT > 1) _tile_loadd(1, C + 16, sc);
-    if constexpr (NT > 2) _tile_loadd(2, C + 32, sc);
-    if constexpr (NT > 3) _tile_loadd(3, C + 48, sc);
+    if constexpr (RB) {
+      _tile_loadd(2, C2, sc);
+      _tile_loadd(3, C2 + 16, sc);
+    }
   } else {
     _tile_zero(0);
     if constexpr (NT > 1) _tile_zero(1);
-    if constexpr (NT > 2) _tile_zero(2);
-    if constexpr (NT > 3) _tile_zero(3);
-  }
-  const int64_t whole = K2 / 16 * 16;
-  for (int64_t k = 0; k < whole; k += 16) amx_step<NT>(A + k, sa, B + k * ldb, sb);
-  if (Bt) amx_step<NT>(A + whole, sa, Bt, ldbt * 4);
-  _tile_stored(0, C, sc);
-  if constexpr (NT > 1) _tile_stored(1, C + 16, sc);
-  if constexpr (NT > 2) _tile_stored(2, C + 32, sc);
-  if constexpr (NT > 3) _tile_stored(3, C + 48, sc);
-}
-
-// Columns [n0, n0 + 16 NT) of every row, 16 rows a tile (the last tile the rest).
-template <int NT>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_columns(
-    int64_t M, int64_t K2, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
-    const uint32_t* Bt, int64_t ldbt, float* C, int64_t ldc, bool accumulate) {
-  const int64_t full = M / 16 * 16;
-  if (full > 0) {
-    amx_configure<NT>(16);
-    for (int64_t m0 = 0; m0 < full; m0 += 16)
-      amx_block<NT>(K2, A + m0 * lda, lda, B, ldb, Bt, ldbt, C + m0 * ldc, ldc, accumulate);
-  }
-  if (full < M) {
-    amx_configure<NT>((int)(M - full));
-    amx_block<NT>(K2, A + full * lda, lda, B, ldb, Bt, ldbt, C + full * ldc, ldc, accumulate);
-  }
-  _tile_release();
-}
-
-void gemm_bf16_amx(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t lda,
-                   const uint32_t* B, int64_t ldb, const uint32_t* Bt, float* C, int64_t ldc,
-                   bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += 64) {
-    const uint32_t* bt = Bt ? Bt + n0 : nullptr;  // row stride N
-    switch (min64((N - n0) / 16, 4)) {
-      case 1: amx_columns<1>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
-      case 2: amx_columns<2>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
-      case 3: amx_columns<3>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
-      default: amx_columns<4>(M, K2, A, lda, B + n0, ldb, bt, N, C + n0, ldc, accumulate); break;
+    if constexpr (RB) {
+      _tile_zero(2);
+      _tile_zero(3);
     }
   }
+  const int64_t whole = K2 / 16 * 16;
+  for (int64_t k = 0; k < whole; k += 16) amx_step<RB, NT>(A + k, lda, sa, B + k * ldb, sb);
+  if (Bt) amx_step<RB, NT>(A + whole, lda, sa, Bt, ldbt * 4);
+  _tile_stored(0, C, sc);
+  if constexpr (NT > 1) _tile_stored(1, C + 16, sc);
+  if constexpr (RB) {
+    _tile_stored(2, C2, sc);
+    _tile_stored(3, C2 + 16, sc);
+  }
+}
+
+// C[M x N] (+)= A · B on the tiles: 2 x 2 blocks of 32 rows x 32 columns, the rows past
+// them in a last 2 x 2 block (more than 16) or 1 x 2 block, a last 16 columns as 1 x 1.
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_bf16_amx(
+    int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t lda, const uint32_t* B,
+    int64_t ldb, const uint32_t* Bt, float* C, int64_t ldc, bool accumulate) {
+  int configured = -1;  // rows of the second row of tiles (0: a 1 x NT block), as loaded
+  auto configure = [&](int ra, int rb) {
+    if (configured != ra * 32 + rb) amx_configure(ra, rb);
+    configured = ra * 32 + rb;
+  };
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const uint32_t* b = B + n0;
+    const uint32_t* bt = Bt ? Bt + n0 : nullptr;  // row stride N
+    float* c = C + n0;
+    if (N - n0 < 32) {  // 16 columns
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        configure((int)min64(16, M - m0), 0);
+        amx_block<false, 1>(K2, A + m0 * lda, lda, b, ldb, bt, N, c + m0 * ldc, ldc, accumulate);
+      }
+      break;
+    }
+    int64_t m0 = 0;
+    for (; m0 + 16 < M; m0 += 32) {
+      configure(16, (int)min64(16, M - m0 - 16));
+      amx_block<true, 2>(K2, A + m0 * lda, lda, b, ldb, bt, N, c + m0 * ldc, ldc, accumulate);
+    }
+    if (m0 < M) {
+      configure((int)(M - m0), 0);
+      amx_block<false, 2>(K2, A + m0 * lda, lda, b, ldb, bt, N, c + m0 * ldc, ldc, accumulate);
+    }
+  }
+  _tile_release();
 }
 
 // The largest transposed left operand gemm_bf16 repacks for the tiles (the forward's
@@ -270,15 +277,15 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, 
   }
 }
 
-// Pp[q][c] = (bf16(P[2q][c]), bf16(P[2q+1][c])) for q < ceil(jn / 2), the pair of an odd
-// last key zero; P is float32 [jn][np].
-void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
+// Pp[q][c] = (bf16(P[2q][c]), bf16(P[2q+1][c])) for q < ceil(jn / 2), c < np, the pair of an
+// odd last key zero; P is float32 [jn] rows of ldp.
+void pack_p_pairs_ld(const float* P, int64_t jn, int64_t ldp, int64_t np, uint32_t* Pp) {
   const __m512i lanes = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
   for (int64_t q = 0; 2 * q < jn; ++q) {
-    const float* lo = P + 2 * q * np;
-    const float* hi = 2 * q + 1 < jn ? lo + np : nullptr;
+    const float* lo = P + 2 * q * ldp;
+    const float* hi = 2 * q + 1 < jn ? lo + ldp : nullptr;
     for (int64_t c0 = 0; c0 < np; c0 += W) {
       const __m512 a = _mm512_loadu_ps(lo + c0);
       const __m512 b = hi ? _mm512_loadu_ps(hi + c0) : _mm512_setzero_ps();
@@ -287,6 +294,33 @@ void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
     }
   }
 }
+void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
+  pack_p_pairs_ld(P, jn, np, np, Pp);
+}
+// The backward's products on AMX tiles take their operands rounded to bf16 pairs along the
+// reduced dim: along a row (pack_pairs_along: dst[r][q] = (X[r][2q], X[r][2q+1])) or
+// across two rows (pack_pairs_across: dst[q][x] = (X[2q][x], X[2q+1][x])), zeros up to
+// `pairs` pairs or pair rows (whole tiles). n: the row's floats (along) or X's rows
+// (across), x < cols a multiple of W.
+void pack_pairs_along(const float* X, int64_t rows, int64_t ldx, int64_t n, int64_t pairs,
+                      uint32_t* dst, int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = X + r * ldx;
+    uint32_t* d = dst + r * ldd;
+    for (int64_t q0 = 0; q0 < pairs; q0 += W) {  // 16 pairs: floats [2 q0, 2 q0 + 32)
+      const int64_t f = 2 * q0;
+      const __m512 a = f < n ? _mm512_loadu_ps(x + f) : _mm512_setzero_ps();
+      const __m512 b = f + W < n ? _mm512_loadu_ps(x + f + W) : _mm512_setzero_ps();
+      _mm512_storeu_si512(d + q0, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+void pack_pairs_across(const float* X, int64_t n, int64_t ldx, int64_t cols, int64_t pairs,
+                       uint32_t* dst) {
+  pack_p_pairs_ld(X, n, ldx, cols, dst);
+  for (int64_t q = (n + 1) / 2; q < pairs; ++q) memset(dst + q * cols, 0, cols * sizeof(uint32_t));
+}
+
 // Qp[q][c] = the bf16 pair (Qt[2q][c], Qt[2q+1][c]) of float32 Qt [D][np] that holds bf16
 // values (truncation is exact), the pair of an odd last d zero.
 void pack_q_pairs(const float* Qt, int64_t D, int64_t np, uint32_t* Qp) {
@@ -308,11 +342,13 @@ void pack_row_pairs(const uint16_t* row, int64_t n, uint32_t* dst) {
   if (n % 2) dst[n / 2] = row[n - 1];
 }
 
-// A block's keys as bf16 pairs: Kp[j][D2] pairs along d, Vp[q][Dv] pairs along keys (V rows
-// 2q, 2q+1; an odd block's last partner zero). Hidden keys (null rows) are zero: their P is 0.
-void pack_kv_pairs(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t jn,
-                   int64_t D, int64_t Dv, uint32_t* Kp, uint32_t* Vp) {
+// A block's keys as bf16 pairs: Kp[j][D2] pairs along d (pack_k_pairs), Vp[q][Dv] pairs
+// along keys (pack_v_pairs: V rows 2q, 2q+1; an odd block's last partner zero). Hidden keys
+// (null rows) are zero: their P is 0.
+void pack_k_pairs(const uint16_t* const* krow, int64_t jn, int64_t D, uint32_t* Kp) {
   for (int64_t j = 0; j < jn; ++j) pack_row_pairs(krow[j], D, Kp + j * ((D + 1) / 2));
+}
+void pack_v_pairs(const uint16_t* const* vrow, int64_t jn, int64_t Dv, uint32_t* Vp) {
   for (int64_t q = 0; 2 * q < jn; ++q) {
     const uint16_t* a = vrow[2 * q];
     const uint16_t* b = 2 * q + 1 < jn ? vrow[2 * q + 1] : nullptr;
