@@ -115,7 +115,9 @@ const MicroBf16Fn kMicroBf16[6][4] = {JAX_SDPA_MICRO_ROW(1), JAX_SDPA_MICRO_ROW(
 // layout here: row k holds the pairs of rows 2k, 2k + 1) into a 16 x 16 float32 tile, the
 // work of 32 VDPBF16PS. gemm_bf16 runs on them where the CPU and OS allow it
 // (amx_bf16_enabled) and A is contiguous along its pairs in whole tiles (ks = 1, K2 a
-// multiple of 16): S^T = K · Q^T of the forward and the backward's S^T and dP^T.
+// multiple of 16): S^T = K · Q^T of the forward and the backward's S^T and dP^T. Callers
+// that pack their operands for the tiles call gemm_bf16_amx directly: the forward's
+// O^T += V^T · P^T from the call's packed V^T, the backward's dV, dK and dQ^T.
 struct alignas(64) AmxTileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
