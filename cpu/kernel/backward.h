@@ -97,16 +97,9 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       pack_row_pairs(live ? static_cast<const uint16_t*>(buf.v) + vbase + j * p.v_stride[2]
                           : nullptr, Dv, Vpc + (j - k0) * pair_words(Dv));
     }
-  if (amx) {
-    const uint16_t* kh = static_cast<const uint16_t*>(buf.k) + kbase;
-    for (int64_t q = 0; q < ktw; ++q) {
-      const int64_t j = k0 + 2 * q;
-      const uint16_t* lo = j < k1e ? kh + j * p.k_stride[2] : nullptr;
-      const uint16_t* hi = j + 1 < k1e ? kh + (j + 1) * p.k_stride[2] : nullptr;
-      for (int64_t d = 0; d < D; ++d)
-        Kt[d * ktw + q] = (lo ? lo[d] : 0u) | (hi ? (uint32_t)hi[d] << 16 : 0u);
-    }
-  }
+  if (amx)
+    pack_pairs_transposed(static_cast<const uint16_t*>(buf.k) + kbase, p.k_stride[2], k0, k1e,
+                          ktw, D, Kt, ktw);
 #else
   const bool amx = false;
   (void)Kpc, (void)Vpc, (void)Qp, (void)dOp, (void)Kt, (void)Pa, (void)dSa, (void)dSb;

@@ -181,13 +181,7 @@ void pack_vt_task(void* vctx, int64_t task, int) {
       static_cast<const uint16_t*>(ctx.buf->v) + b * p.v_stride[0] + hk * p.v_stride[1];
   uint32_t* dst = ctx.vt + task * ctx.vt_blocks * Dv * pairs;
   for (int64_t blk = 0; blk < ctx.vt_blocks; ++blk, dst += Dv * pairs)
-    for (int64_t q = 0; q < pairs; ++q) {
-      const int64_t j = blk * kBk + 2 * q;
-      const uint16_t* lo = j < p.len_kv ? v + j * p.v_stride[2] : nullptr;
-      const uint16_t* hi = j + 1 < p.len_kv ? v + (j + 1) * p.v_stride[2] : nullptr;
-      for (int64_t d = 0; d < Dv; ++d)
-        dst[d * pairs + q] = (lo ? lo[d] : 0u) | (hi ? (uint32_t)hi[d] << 16 : 0u);
-    }
+    pack_pairs_transposed(v, p.v_stride[2], blk * kBk, p.len_kv, pairs, Dv, dst, pairs);
 }
 #endif
 

@@ -299,6 +299,20 @@ void pack_p_pairs_ld(const float* P, int64_t jn, int64_t ldp, int64_t np, uint32
 void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
   pack_p_pairs_ld(P, jn, np, np, Pp);
 }
+// Rows [j0, j0 + 2 pairs) of a bf16 [keys][dim] buffer (row stride rs) transposed into pairs
+// along the keys: dst[d * ld + q] = (X[j0 + 2q][d], X[j0 + 2q + 1][d]), keys from jend on zero.
+// The A operand of a product reduced over keys (the forward's V^T, the backward's K^T).
+void pack_pairs_transposed(const uint16_t* X, int64_t rs, int64_t j0, int64_t jend,
+                           int64_t pairs, int64_t dim, uint32_t* dst, int64_t ld) {
+  for (int64_t q = 0; q < pairs; ++q) {
+    const int64_t j = j0 + 2 * q;
+    const uint16_t* lo = j < jend ? X + j * rs : nullptr;
+    const uint16_t* hi = j + 1 < jend ? X + (j + 1) * rs : nullptr;
+    for (int64_t d = 0; d < dim; ++d)
+      dst[d * ld + q] = (lo ? lo[d] : 0u) | (hi ? (uint32_t)hi[d] << 16 : 0u);
+  }
+}
+
 // The backward's products on AMX tiles take their operands rounded to bf16 pairs along the
 // reduced dim: along a row (pack_pairs_along: dst[r][q] = (X[r][2q], X[r][2q+1])) or
 // across two rows (pack_pairs_across: dst[q][x] = (X[2q][x], X[2q+1][x])), zeros up to

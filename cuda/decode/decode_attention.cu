@@ -488,10 +488,9 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   }
   const KnobRequest req = knob_request();
   KernelVariant want = req.want;
-  if (p.paged()) {  // one kernel reads pages: decode_tc_kernel<..., PAGED>, default shape
-    want = default_request();
-    want.paged = true;
-    want.warps = req.want.warps;  // (W, S) of a tuning build's paged variants, else 0
+  if (p.paged()) {  // the paged builds: the cp.async kernel's (W, S) of a tuning build, else 0
+    want = cp_async_request(p);
+    want.warps = req.want.warps;
     want.stages = req.want.stages;
   }
   const int64_t min_split_bytes =
@@ -505,7 +504,7 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   // Paged calls take the same TMA kernel (its paged build: a copy a 16-key tile) where
   // their pages hold whole tiles.
   KernelVariant dflt;
-  if ((want == default_request() || want == cp_async_request(p)) &&
+  if (want == cp_async_request(p) &&
       (!p.paged() || p.page_size % kTileKeys == 0) &&
       tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req, &dflt) &&
       !(p.paged() && dflt.wide)) {
