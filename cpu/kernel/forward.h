@@ -271,7 +271,9 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
     gemm(jn, np, D, sc.Kf, D, 1, sc.Qt, np, St, np, false);
   }
-  scale_and_mask(p, t, j0, jn, St, np, seg, nullptr);
+  // Wide tiles scale the scores as the softmax reads them, where that is the same bits.
+  const bool scale_later = !st.narrow && scale_after_masks(p);
+  scale_and_mask(p, t, j0, jn, St, np, seg, nullptr, scale_later);
   if (hidden_runs)
     for (int64_t r = 0; r < nruns; ++r)
       if (runs[r].k < 0)
@@ -296,15 +298,21 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
   for (int64_t v = 0; v < np / W; ++v) bmax[v] = splat(-INFINITY);
   for (int64_t j = 0; j < jn; ++j)
     for (int64_t v = 0; v < np / W; ++v) bmax[v] = vmax(bmax[v], loadv(St + j * np + v * W));
+  const vf scale = splat(scale_later ? (float)p.scale : 1.0f);
   for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
-    vf mx = bmax[c0 / W];
+    vf mx = bmax[c0 / W] * scale;
     vf mo = loadv(m + c0);
     vf mn = vmax(mo, mx);
     vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
     vf al = vexp_diff(mo, mu);
     vf sum = vf{};
     for (int64_t j = 0; j < jn; ++j) {
-      vf e = vexp_diff(loadv(St + j * np + c0), mu);
+      vf x = loadv(St + j * np + c0) * scale;
+      // Rounded on its own, as the scaling pass's store rounds it: fused into the exp's
+      // subtraction, the row's largest score would leave its rounding error (about 1e23 for
+      // logits near 1e31) where exp needs 0.
+      keep_rounded(x);
+      vf e = vexp_diff(x, mu);
       storev(St + j * np + c0, e);
       sum += e;
     }
@@ -312,10 +320,18 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     storev(m + c0, mn);
     storev(alpha + c0, al);
   }
+  // O^T *= alpha, but for chunks of W queries whose maxima all held (alpha exactly 1, NaN
+  // not): most chunks of a long row's later blocks.
   float* Ot = st.Ot;
+  int64_t moved[kBq / W], nmoved = 0;
+  for (int64_t c0 = 0; c0 < np; c0 += W) {
+    bool held = true;
+    for (int64_t x = c0; x < c0 + W; ++x) held &= alpha[x] == 1.0f;
+    if (!held) moved[nmoved++] = c0;
+  }
   for (int64_t d = 0; d < Dv; ++d)
-    for (int64_t c0 = 0; c0 < np; c0 += W)
-      storev(Ot + d * np + c0, loadv(Ot + d * np + c0) * loadv(alpha + c0));
+    for (int64_t u = 0; u < nmoved; ++u)
+      storev(Ot + d * np + moved[u], loadv(Ot + d * np + moved[u]) * loadv(alpha + moved[u]));
   // O^T += V^T · P^T (hidden runs have P = 0 and are skipped: never read)
   if (f32) {
     const float* vp = static_cast<const float*>(buf.v);

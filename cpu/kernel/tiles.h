@@ -139,14 +139,25 @@ void setup_tile(const SdpaParams& p, Tile* t) {
   if (t->KL == 0) t->KF = 0;
 }
 
+// Whether the scale can wait until the softmax reads the scores (saving a pass over them):
+// no additive mask or soft cap needs them scaled first, and a finite positive scale keeps the
+// -inf of masked scores -inf and commutes with the max (rounding is monotone): the same bits.
+inline bool scale_after_masks(const SdpaParams& p) {
+  const float scale = (float)p.scale;  // what the scores are multiplied by
+  return p.logits_soft_cap <= 0 && p.mask_kind != MaskKind::kAdditive && scale > 0 &&
+         scale < INFINITY;
+}
+
 // St[jn x np] (np: the tile's np, or a narrow tile's np2) holds q·k for keys j0.. of the tile;
 // applies scale, the soft cap, the mask,
 // the band and (seg == kPartial) the segment ids (-inf = invisible). Padding columns
 // (c >= n) are left alone where masks apply. With a soft cap, dcap (when given) receives
 // its derivative 1 - tanh^2 per score (backward).
 void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St,
-                    int64_t np, SegCover seg, float* dcap) {
-  if (p.logits_soft_cap > 0) {
+                    int64_t np, SegCover seg, float* dcap, bool scale_later = false) {
+  if (scale_later) {
+    // the caller scales as it reads (scale_after_masks)
+  } else if (p.logits_soft_cap > 0) {
     const vf pre = splat((float)(p.scale / p.logits_soft_cap));
     const vf cap = splat((float)p.logits_soft_cap);
     for (int64_t x = 0; x < jn * np; x += W) {

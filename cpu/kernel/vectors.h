@@ -94,6 +94,16 @@ inline vf vexp_diff(vf x, vf mu) {
 #endif
 }
 
+// x as rounded where it was computed: no later operation fuses with the one that made it
+// (the compilers contract a multiply and an add into an FMA, rounding once).
+__attribute__((always_inline)) inline void keep_rounded(vf& x) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(x));
+#elif defined(__aarch64__)
+  asm("" : "+w"(x));
+#endif
+}
+
 // 1 / q for q >= 1: the hardware's reciprocal estimate (AVX-512: 14 bits, AVX: 12) and one
 // Newton step (~1 ulp), where a division would cost as much as the rest of vtanh together.
 inline vf vrecip(vf q) {
