@@ -232,7 +232,8 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     else
 #endif
       narrow_scores_any(bf16, st.np2, D, sc.kr, jn, st.Qr, D, sc.zero_row, St, np,
-                        NextRows{sc.next_k, D * item, in_place ? sc.next_v : nullptr,
+                        NextRows{sc.next_k, D * item,
+                                 in_place && (bf16 || kPrefetchFloat32V) ? sc.next_v : nullptr,
                                  Dv * item});
   } else if (f32) {
     const float* kp = static_cast<const float*>(buf.k);

@@ -132,11 +132,11 @@ void narrow_softmax(float* St, int64_t jn, int ns, float* m, float* l, float* al
 // prefetcher does not follow from memory (half the bandwidth without this); V a block ahead
 // rather than this block's own (fetched only a scores pass before the values pass read them):
 // B8 H32/KV8 D128 Lk4096 bf16 5.40 -> 5.14 ms, B1 Lk32768 f32 9.0-10.3 -> 8.2-9.9 ms (kernel
-// harness, two threads).
+// harness, two threads; float32 V is not prefetched now: kPrefetchFloat32V).
 struct NextRows {
   const char* const* k;
   int64_t kbytes;
-  const char* const* v;  // null: no V prefetch (rows converted into scratch)
+  const char* const* v;  // null: no V prefetch (float32 rows, or rows converted into scratch)
   int64_t vbytes;
 };
 __attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t bytes,

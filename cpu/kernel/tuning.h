@@ -46,6 +46,17 @@ constexpr int64_t kNarrow = W < 8 ? W : 8;
 // one block's rows.
 constexpr int64_t kAheadRows = kBk;
 
+// Decode prefetches the next block's V rows as it scores this block's keys (NextRows) for
+// 16-bit rows only. float32 V rows are left to the hardware: on the Intel Xeon VM, through
+// the API, K+V prefetch against K alone, alternating: B8 H32/KV8 D128 Lk4096 15.1 / 15.1 ->
+// 14.5 / 13.4 ms, B1 Lk32768 15.9 / 15.9 -> 14.2 / 15.1, B1 Lk4096 1.31 / 1.20 -> 0.99 /
+// 1.16, GQA 8 B4 Lk8192 9.4 / 10.0 -> 8.8 / 10.4; bfloat16 B8 Lk4096 without either
+// prefetch 7.7-9.3 -> 11.9-12.6 ms. The product build, before / after: B8 Lk4096 float32
+// 14.8 / 15.2 -> 12.9 / 13.7 ms, B1 Lk1024 340 / 320 -> 304 / 283 us (loops of 200 calls).
+// (On the AMD EPYC VM float32 V a block ahead had gained a little: B1 Lk32768 9.0-10.3 ->
+// 8.2-9.9 ms, kernel harness.)
+constexpr bool kPrefetchFloat32V = false;
+
 // Decode from a slot-major cache keeps a block's K and V rows of every head it walks, and
 // the next block's it prefetched, in the core's L2: a task walks its keys in blocks halved
 // from kBk (to at least 16) while those exceed this many bytes. On the AMD EPYC VM (1 MiB L2)
