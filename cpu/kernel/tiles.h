@@ -149,15 +149,13 @@ inline bool scale_after_masks(const SdpaParams& p) {
 }
 
 // St[jn x np] (np: the tile's np, or a narrow tile's np2) holds q·k for keys j0.. of the tile;
-// applies scale, the soft cap, the mask,
-// the band and (seg == kPartial) the segment ids (-inf = invisible). Padding columns
-// (c >= n) are left alone where masks apply. With a soft cap, dcap (when given) receives
-// its derivative 1 - tanh^2 per score (backward).
+// applies scale (unless scale_later: the caller scales as it reads, scale_after_masks), the
+// soft cap, the mask, the band and (seg == kPartial) the segment ids (-inf = invisible).
+// Padding columns (c >= n) are left alone where masks apply. With a soft cap, dcap (when
+// given) receives its derivative 1 - tanh^2 per score (backward).
 void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, float* St,
                     int64_t np, SegCover seg, float* dcap, bool scale_later = false) {
-  if (scale_later) {
-    // the caller scales as it reads (scale_after_masks)
-  } else if (p.logits_soft_cap > 0) {
+  if (p.logits_soft_cap > 0) {  // never with scale_later (scale_after_masks)
     const vf pre = splat((float)(p.scale / p.logits_soft_cap));
     const vf cap = splat((float)p.logits_soft_cap);
     for (int64_t x = 0; x < jn * np; x += W) {
@@ -165,7 +163,7 @@ void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, 
       storev(St + x, cap * th);
       if (dcap) storev(dcap + x, splat(1.0f) - th * th);
     }
-  } else {
+  } else if (!scale_later) {
     const vf sc = splat((float)p.scale);
     for (int64_t x = 0; x < jn * np; x += W) storev(St + x, loadv(St + x) * sc);
   }
