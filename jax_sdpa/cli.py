@@ -422,8 +422,9 @@ def _demo_error(e):
     return f"{type(e).__name__}: {msg[:100]}"
 
 
-def run_demo(steps=16, small=False, out=None) -> list:
-    """The README's main job; returns the table rows."""
+def run_demo(steps=16, small=False, out=None):
+    """The README's main job; returns the table rows and the rows that raised (a refusal,
+    an implementation saying why it can't serve the call, is not one of them)."""
     from flax import nnx
 
     from jax_sdpa import bench
@@ -449,7 +450,7 @@ def run_demo(steps=16, small=False, out=None) -> list:
     rows_spec = _demo_rows(platform, cfg, batch, prompt_len)
     bar = bench._Progress(3 * len(rows_spec) + 1, "demo", enabled=True)
     results = {}
-    table = []
+    table, failed = [], []
     try:
         # a cache to decode from for rows whose own prefill can't run (e.g. decode-only
         # kernels); the Flax model's jitted prefill is reused by its own row below
@@ -491,8 +492,8 @@ def run_demo(steps=16, small=False, out=None) -> list:
             bar.step(f"{label}: train step")
             try:
                 g, p, r = nnx.split(model, nnx.Param, ...)
-                (loss, grads), t = _timed(gpt._loss_and_grads, g, p, r, train_tokens)
-                mem = _temp_bytes(gpt._loss_and_grads, g, p, r, train_tokens)
+                (loss, grads), t = _timed(gpt._loss_and_grads, g, p, r, train_tokens, None)
+                mem = _temp_bytes(gpt._loss_and_grads, g, p, r, train_tokens, None)
                 res["train"] = ((loss, grads), t, mem)
             except Exception as e:
                 res["train"] = _demo_error(e)
@@ -505,6 +506,8 @@ def run_demo(steps=16, small=False, out=None) -> list:
         for phase in ("prefill", "decode", "train"):
             if isinstance(res[phase], str):
                 table.append([phase, label, impl or "-", res[phase], "-", "-"])
+                if not res[phase].startswith("refused: "):
+                    failed.append(table[-1])
                 continue
             value, t, mem = res[phase]
             used = ("jax.nn xla (flax)" if attention == "flax" else
@@ -520,7 +523,7 @@ def run_demo(steps=16, small=False, out=None) -> list:
     table.sort(key=lambda r: ("prefill", "decode", "train").index(r[0]))
     bench.print_table(["phase", "attention", "implementation", "time", "temp memory",
                        "max |Δ| vs flax"], table, title="jax-sdpa demo", file=out)
-    return table
+    return table, failed
 
 
 def cmd_demo(args) -> int:
@@ -529,8 +532,10 @@ def cmd_demo(args) -> int:
     except ImportError:
         _print("jax-sdpa demo needs flax: pip install 'jax_sdpa[flax]'", file=sys.stderr)
         return 2
-    run_demo(steps=args.steps, small=args.small)
-    return 0
+    _, failed = run_demo(steps=args.steps, small=args.small)
+    for r in failed:
+        _print(f"jax-sdpa demo: {r[0]} with {r[1]} failed: {r[3]}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_serve_demo(args) -> int:

@@ -83,6 +83,22 @@ def test_demo_fast(capsys):
     import re
     deltas = [float(x) for x in re.findall(r"(\d\.\d\de[-+]\d\d)", out)]
     assert deltas and max(deltas) < 1e-3, out
+    # two jax_sdpa rows a phase, each with its difference from Flax (none raised)
+    assert len(deltas) >= 6, out
+
+
+def test_demo_fails_when_a_phase_raises(monkeypatch, capsys):
+    pytest.importorskip("flax")
+    from jax_sdpa.examples import gpt
+
+    def broken(*args):
+        raise TypeError("no train step here")
+
+    broken.lower = broken
+    monkeypatch.setattr(gpt, "_loss_and_grads", broken)
+    assert cli.main(["demo", "--small", "--steps", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "train with" in err and "TypeError: no train step here" in err, err
 
 
 def test_check_unknown_implementation_lists_the_names(capsys):
