@@ -19,11 +19,16 @@ namespace cpu {
 
 namespace {
 
-// How long a thread that ran out of work polls before it sleeps: a worker, for the next job (a
-// decode step calls attention once a layer, a few hundred microseconds apart), and the caller,
-// for the last tasks of its own. Sleeping and being woken again cost a futex round trip each
-// (tens of microseconds in a VM); polling longer would take cores from other processes.
-constexpr auto kPollFor = std::chrono::microseconds(50);
+// How long a thread that ran out of work polls before it sleeps: a worker, for the next job,
+// and the caller, for the last tasks of its own. On a quiet machine it polls across the gap
+// between two calls (a decode step calls attention once a layer, a few hundred microseconds
+// apart; a Python loop's dispatch alone is tens): a sleeping worker costs a futex round trip
+// to wake, and in a VM whose host halts idle vCPUs, a wake-up lasts until the host's halt
+// polling adapts, tens of milliseconds of slower calls after each pause (docs/cpu.md). While
+// other processes hold the cores (the contention probe below), polling would take a core from
+// them and from our own threads with work: then briefly.
+constexpr auto kPollQuiet = std::chrono::microseconds(1000);
+constexpr auto kPollBusy = std::chrono::microseconds(50);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -33,10 +38,10 @@ inline void cpu_relax() {
 #endif
 }
 
-// Polls cond() for up to kPollFor; returns whether it became true.
+// Polls cond() for up to `period`; returns whether it became true.
 template <typename Cond>
-bool poll_for(Cond cond) {
-  const auto until = std::chrono::steady_clock::now() + kPollFor;
+bool poll_for(std::chrono::microseconds period, Cond cond) {
+  const auto until = std::chrono::steady_clock::now() + period;
   for (int i = 0;; ++i) {
     if (cond()) return true;
     cpu_relax();
@@ -113,6 +118,9 @@ struct ThreadPool::Impl {
   std::deque<std::shared_ptr<Job>> queue;
   std::atomic<int> front_width{0};  // the front job's width (0: none), polled without the lock
   std::atomic<bool> oversubscribed{false};
+  std::chrono::microseconds poll_period() const {
+    return oversubscribed.load(std::memory_order_relaxed) ? kPollBusy : kPollQuiet;
+  }
   // The contention probe's window: sampled jobs' wall time times the cores they could keep
   // busy, and the CPU time they got.
   std::mutex probe_mu;
@@ -124,7 +132,8 @@ struct ThreadPool::Impl {
       std::shared_ptr<Job> job;
       // Extra workers don't poll: they run only while the cores are contended, where a
       // polling thread would take a core from one with tasks.
-      if (w < cores) poll_for([&] { return front_width.load(std::memory_order_acquire) > w; });
+      if (w < cores)
+        poll_for(poll_period(), [&] { return front_width.load(std::memory_order_acquire) > w; });
       {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return !queue.empty() && queue.front()->width > w; });
@@ -222,7 +231,8 @@ void ThreadPool::parallel_for(int64_t n, TaskFn fn, void* ctx, bool long_job) {
   else for (int64_t i = 0; i < helpers; ++i) impl_->core_cv.notify_one();
   if (helpers >= cores_) impl_->extra_cv.notify_all();
   drain(*job, 0);
-  if (!poll_for([&] { return job->done.load(std::memory_order_acquire) == job->n; })) {
+  if (!poll_for(impl_->poll_period(),
+                [&] { return job->done.load(std::memory_order_acquire) == job->n; })) {
     std::unique_lock<std::mutex> lock(job->mu);
     job->cv.wait(lock, [&] { return job->done.load() == job->n; });
   }
