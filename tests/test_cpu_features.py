@@ -262,6 +262,32 @@ def test_decode_tiles(shape, dtype, rng):
     assert _rel(out.astype(np.float32), want) <= _tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("climb", [0.5, 3.0, 5.0, 7.0])
+def test_row_maxima_climbing_across_key_blocks(climb, dtype, rng):
+    """Logits that rise by `climb` from one 64-key block to the next for six blocks, then
+    stay (at most 42: larger logits would carry float32 rounding past the tolerance): the
+    running maxima move block after block, by less and more than the exps' range, and O is
+    rescaled each time; the output and lse match float64, causal and not, with the keys also
+    split across threads (one tile of many keys)."""
+    b, hq, hk, d = 1, 4, 2, 32
+    for lq, lk in ((80, 64 * 9 + 23), (16, 64 * 40 + 5)):
+        # q . k_j = climb * min(j / 64, 6) + noise: key j's logit climbs with j
+        q = _normal(rng, b, hq, lq, d) * 0.1
+        q[..., 0] = 1.0
+        k = _normal(rng, b, hk, lk, d) * 0.1
+        k[..., 0] = climb * np.minimum(np.arange(lk) / 64, 6.0)
+        v = _normal(rng, b, hk, lk, d)
+        q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+        for causal in (False, True):
+            band = dict(window_right=0, bottom_right=True) if causal else {}
+            out, lse = _call_fwd(q, k, v, scale=1.0, **band)
+            want, want_lse = oracle.forward(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                            scale=1.0, **band)
+            assert _rel(out.astype(np.float32), want) <= _tol(dtype), (lq, lk, causal)
+            assert _lse_err(lse, want_lse) <= oracle.lse_tolerance(dtype, "cpu"), (lq, causal)
+
+
 @pytest.mark.parametrize("shape", [(1, 4, 1, 1, 3000, 64), (1, 2, 2, 40, 2500, 32),
                                    (1, 3, 1, 2, 2100, 24)],
                          ids=lambda s: "b{}h{}k{}q{}k{}d{}".format(*s))
