@@ -419,6 +419,8 @@ def _demo_error(e):
     msg = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, NotImplementedError):
         return "refused: " + msg.split("can't serve this call: ")[-1][:100]
+    if "can't serve this attention call" in msg:  # a cuDNN graph refused when it was built
+        return "refused: " + msg.split("jax_sdpa: ")[-1][:100]
     return f"{type(e).__name__}: {msg[:100]}"
 
 

@@ -87,6 +87,19 @@ def test_demo_fast(capsys):
     assert len(deltas) >= 6, out
 
 
+def test_demo_counts_refusals_apart_from_failures():
+    # an explicit implementation's NotImplementedError, and a cuDNN graph our handler
+    # refused when it was built (a runtime error with our message), are refusals
+    refused = [NotImplementedError("jax_sdpa: implementation='cuda' can't serve this call: "
+                                   "no kernel"),
+               RuntimeError("UNIMPLEMENTED: jax_sdpa: cuDNN 91900 can't serve this attention "
+                            "call (backward B=1 ...): graph validation: D > 256")]
+    for e in refused:
+        assert cli._demo_error(e).startswith("refused: "), e
+    assert cli._demo_error(TypeError("missing 1 required positional argument")) == (
+        "TypeError: missing 1 required positional argument")
+
+
 def test_demo_fails_when_a_phase_raises(monkeypatch, capsys):
     pytest.importorskip("flax")
     from jax_sdpa.examples import gpt
