@@ -87,6 +87,9 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
   ctx.buf = &buf;
   ctx.tiles = (rows + kBq - 1) / kBq;
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
+#if defined(__AVX512BF16__)
+  if (bf16_products(p)) ctx.bk = kBkBf16;
+#endif
   // Decode (narrow tiles) from a slot-major cache: a task walks up to kGroupHeads kv heads
   // together, so each key's rows of all of them are read at once (one head at a time would
   // stride over them, a TLB entry and a prefetch stream per key).
@@ -126,9 +129,9 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
   // bf16 on AMX over a contiguous cache with several tiles a head: V^T packed once for all
   // of them (FwdCtx::vt; without room, each tile packs its blocks).
   if (bf16_products(p) && !narrow && !p.paged() && ctx.tiles >= 4 && amx_bf16_enabled()) {
-    ctx.vt_blocks = (p.len_kv + kBk - 1) / kBk;
-    ctx.vt = static_cast<uint32_t*>(
-        malloc((size_t)(p.batch * p.heads_kv * ctx.vt_blocks * Dv * (kBk / 2)) * sizeof(uint32_t)));
+    ctx.vt_blocks = (p.len_kv + ctx.bk - 1) / ctx.bk;
+    ctx.vt = static_cast<uint32_t*>(malloc(
+        (size_t)(p.batch * p.heads_kv * ctx.vt_blocks * Dv * (ctx.bk / 2)) * sizeof(uint32_t)));
     if (ctx.vt) pool.parallel_for(p.batch * p.heads_kv, pack_vt_task, &ctx, shared);
   }
 #endif

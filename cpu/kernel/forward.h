@@ -11,6 +11,7 @@ struct FwdCtx {
   SegBlocks segs;
   int64_t tiles;  // per (b, hk)
   int64_t group_heads = 1;  // kv heads a task walks together (fwd_task)
+  int64_t bk = kBk;  // keys a block of wide tiles (kBkBf16 for bf16 products); narrow: kBk
   // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
   // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
   // state in part; the share that finishes last (done[tile] counts them) merges them.
@@ -20,7 +21,7 @@ struct FwdCtx {
   int64_t* done = nullptr;
   // bf16 calls on AMX tiles over a contiguous cache, several tiles a head: V^T as bf16 pairs
   // along the keys, packed once a call for every tile (pack_vt_task) instead of once a tile
-  // and block: [b * Hk + hk][key block][Dv][kBk / 2] pair words, zeros past the keys.
+  // and block: [b * Hk + hk][key block][Dv][bk / 2] pair words, zeros past the keys.
   uint32_t* vt = nullptr;
   int64_t vt_blocks = 0;  // key blocks a (b, hk)
 };
@@ -90,18 +91,18 @@ struct BlockScratch {
 };
 inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
 size_t block_scratch_bytes(int64_t D, int64_t Dv) {
-  return (size_t)round_up(4 * kBk * 8, 64) + floats_bytes(max64(D, Dv)) +
+  return (size_t)round_up(4 * kBkMax * 8, 64) + floats_bytes(max64(D, Dv)) +
          4 * (size_t)round_up(kBk * 8, 64) +
-         floats_bytes(D * kBq) + floats_bytes(kBk * kBq) + floats_bytes(Dv * kBq) +
+         floats_bytes(D * kBq) + floats_bytes(kBkMax * kBq) + floats_bytes(Dv * kBq) +
          floats_bytes(kBk * D) + floats_bytes(kBk * Dv) + floats_bytes(max64(D, Dv)) +
-         floats_bytes(pair_words(D) * kBq) + floats_bytes(kBk * pair_words(D)) +
-         floats_bytes(kBk / 2 * Dv) + floats_bytes(kBk / 2 * kBq);
+         floats_bytes(pair_words(D) * kBq) + floats_bytes(kBkMax * pair_words(D)) +
+         floats_bytes(kBkMax / 2 * Dv) + floats_bytes(kBkMax / 2 * kBq);
 }
 BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   BlockScratch sc;
-  sc.runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBk));
+  sc.runs = reinterpret_cast<KeyRun*>(cv.ints(4 * kBkMax));
   sc.Qt = cv.floats(D * kBq);
-  sc.St = cv.floats(kBk * kBq);
+  sc.St = cv.floats(kBkMax * kBq);
   sc.Ot = cv.floats(Dv * kBq);
   sc.Kf = cv.floats(kBk * D);
   sc.Vf = cv.floats(kBk * Dv);
@@ -112,9 +113,9 @@ BlockScratch carve_block_scratch(Carver& cv, int64_t D, int64_t Dv) {
   sc.next_k = reinterpret_cast<const char**>(cv.ints(kBk));
   sc.next_v = reinterpret_cast<const char**>(cv.ints(kBk));
   sc.Qp = reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq));
-  sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBk * pair_words(D)));
-  sc.Vp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * Dv));
-  sc.Pp = reinterpret_cast<uint32_t*>(cv.floats(kBk / 2 * kBq));
+  sc.Kp = reinterpret_cast<uint32_t*>(cv.floats(kBkMax * pair_words(D)));
+  sc.Vp = reinterpret_cast<uint32_t*>(cv.floats(kBkMax / 2 * Dv));
+  sc.Pp = reinterpret_cast<uint32_t*>(cv.floats(kBkMax / 2 * kBq));
   return sc;
 }
 
@@ -158,9 +159,10 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   }
   memset(st->O(), 0, Dv * (st->narrow ? st->np2 : t.np) * sizeof(float));
   // This share of the tile's key blocks.
-  const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + kBk - 1) / kBk : 0;
-  st->ka = t.KF + share * nblk / ctx.nsplit * kBk;
-  st->kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * kBk);
+  const int64_t bk = ctx.bk;
+  const int64_t nblk = t.KL > t.KF ? (t.KL - t.KF + bk - 1) / bk : 0;
+  st->ka = t.KF + share * nblk / ctx.nsplit * bk;
+  st->kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * bk);
   if (st->kb > st->ka) {
     pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
 #if defined(__AVX512BF16__)
@@ -175,13 +177,13 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
 void pack_vt_task(void* vctx, int64_t task, int) {
   const FwdCtx& ctx = *static_cast<const FwdCtx*>(vctx);
   const SdpaParams& p = *ctx.p;
-  const int64_t Dv = p.head_dim_v, pairs = kBk / 2;
+  const int64_t Dv = p.head_dim_v, pairs = ctx.bk / 2;
   const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
   const uint16_t* v =
       static_cast<const uint16_t*>(ctx.buf->v) + b * p.v_stride[0] + hk * p.v_stride[1];
   uint32_t* dst = ctx.vt + task * ctx.vt_blocks * Dv * pairs;
   for (int64_t blk = 0; blk < ctx.vt_blocks; ++blk, dst += Dv * pairs)
-    pack_pairs_transposed(v, p.v_stride[2], blk * kBk, p.len_kv, pairs, Dv, dst, pairs);
+    pack_pairs_transposed(v, p.v_stride[2], blk * ctx.bk, p.len_kv, pairs, Dv, dst, pairs);
 }
 #endif
 
@@ -244,7 +246,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     }
 #if defined(__AVX512BF16__)
   } else if (bf16_products(p)) {  // K and V rows as bf16 pairs, hidden ones zero
-    const uint16_t *krow[kBk], *vrow[kBk];
+    const uint16_t *krow[kBkMax], *vrow[kBkMax];
     const uint16_t* kp = static_cast<const uint16_t*>(buf.k);
     const uint16_t* vp = static_cast<const uint16_t*>(buf.v);
     for (int64_t r = 0; r < nruns; ++r)
@@ -258,8 +260,9 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     // shorter block's keys past jn may hold NaN that P = 0 must not meet.
     const bool one_run = nruns == 1 && runs[0].k >= 0;
     const bool k_in_place = one_run && D % 2 == 0 && p.k_stride[2] % 2 == 0 && runs[0].k % 2 == 0;
-    if (one_run && ctx.vt && j0 % kBk == 0 && (jn == kBk || j0 + jn == p.len_kv))
-      vt_block = ctx.vt + ((t.b * p.heads_kv + t.hk) * ctx.vt_blocks + j0 / kBk) * Dv * (kBk / 2);
+    const int64_t bk = ctx.bk;
+    if (one_run && ctx.vt && j0 % bk == 0 && (jn == bk || j0 + jn == p.len_kv))
+      vt_block = ctx.vt + ((t.b * p.heads_kv + t.hk) * ctx.vt_blocks + j0 / bk) * Dv * (bk / 2);
     if (!k_in_place) pack_k_pairs(krow, jn, D, sc.Kp);
     if (!vt_block) pack_v_pairs(vrow, jn, Dv, sc.Vp);
     if (k_in_place)
@@ -300,6 +303,19 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
   for (int64_t j = 0; j < jn; ++j)
     for (int64_t v = 0; v < np / W; ++v) bmax[v] = vmax(bmax[v], loadv(St + j * np + v * W));
   const vf scale = splat(scale_later ? (float)p.scale : 1.0f);
+  // e^(x - mu) of key j of the W queries at c0. x is rounded on its own, as the scaling
+  // pass's store rounds it: fused into the exp's subtraction, the row's largest score would
+  // leave its rounding error (about 1e23 for logits near 1e31) where exp needs 0.
+  auto exp_of = [&](int64_t j, int64_t c0, vf mu) {
+    vf x = loadv(St + j * np + c0) * scale;
+    keep_rounded(x);
+    return vexp_diff(x, mu);
+  };
+#if defined(__AVX512BF16__)
+  // bf16 products take P as bf16 pairs along the keys (Pp), written here as the pairs'
+  // exps are made rather than by a pass over St.
+  uint32_t* Pp = bf16_products(p) ? sc.Pp : nullptr;
+#endif
   for (int64_t c0 = 0; c0 < np; c0 += W) {  // online softmax, W queries at a time
     vf mx = bmax[c0 / W] * scale;
     vf mo = loadv(m + c0);
@@ -307,16 +323,25 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
     vf al = vexp_diff(mo, mu);
     vf sum = vf{};
-    for (int64_t j = 0; j < jn; ++j) {
-      vf x = loadv(St + j * np + c0) * scale;
-      // Rounded on its own, as the scaling pass's store rounds it: fused into the exp's
-      // subtraction, the row's largest score would leave its rounding error (about 1e23 for
-      // logits near 1e31) where exp needs 0.
-      keep_rounded(x);
-      vf e = vexp_diff(x, mu);
-      storev(St + j * np + c0, e);
-      sum += e;
-    }
+#if defined(__AVX512BF16__)
+    if (Pp) {
+      for (int64_t j = 0; j < jn; j += 2) {
+        const vf lo = exp_of(j, c0, mu);
+        sum += lo;
+        vf hi = vf{};  // an odd last key's pair: zero
+        if (j + 1 < jn) {
+          hi = exp_of(j + 1, c0, mu);
+          sum += hi;
+        }
+        store_p_pairs(Pp + j / 2 * np + c0, (__m512)lo, (__m512)hi);
+      }
+    } else
+#endif
+      for (int64_t j = 0; j < jn; ++j) {
+        const vf e = exp_of(j, c0, mu);
+        storev(St + j * np + c0, e);
+        sum += e;
+      }
     storev(l + c0, loadv(l + c0) * al + sum);
     storev(m + c0, mn);
     storev(alpha + c0, al);
@@ -342,12 +367,11 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
            true);
     }
 #if defined(__AVX512BF16__)
-  } else if (bf16_products(p)) {
-    pack_p_pairs(St, jn, np, sc.Pp);
+  } else if (bf16_products(p)) {  // P's pairs are in sc.Pp (the softmax above)
     if (vt_block) {  // P's pair rows zero up to whole tiles, as V^T's are
       const int64_t k2 = pair_words(jn), k2p = round_up(k2, 16);
       memset(sc.Pp + k2 * np, 0, (k2p - k2) * np * sizeof(uint32_t));
-      gemm_bf16_amx(Dv, np, k2p, vt_block, kBk / 2, sc.Pp, np, nullptr, Ot, np, true);
+      gemm_bf16_amx(Dv, np, k2p, vt_block, ctx.bk / 2, sc.Pp, np, nullptr, Ot, np, true);
     } else {
       gemm_bf16(Dv, np, pair_words(jn), sc.Vp, 1, Dv, sc.Pp, np, Ot, np, true);
     }
@@ -448,7 +472,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     memset(sc.St, 0, kBk * states[0].t.np * sizeof(float));  // the scale reads whole vectors
   }
   // Decode walks the keys in blocks whose rows, and the next block's, fit kDecodeBlockBytes.
-  int64_t step = kBk;
+  int64_t step = narrow ? kBk : ctx.bk;
   if (narrow) {
     const int64_t item = dtype_bytes(p.dtype);
     while (step > 16 && 2 * step * nh * (D + Dv) * item > kDecodeBlockBytes) step /= 2;

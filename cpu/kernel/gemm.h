@@ -279,25 +279,25 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t rs, 
   }
 }
 
-// Pp[q][c] = (bf16(P[2q][c]), bf16(P[2q+1][c])) for q < ceil(jn / 2), c < np, the pair of an
-// odd last key zero; P is float32 [jn] rows of ldp.
-void pack_p_pairs_ld(const float* P, int64_t jn, int64_t ldp, int64_t np, uint32_t* Pp) {
+// W pairs (bf16(lo[c]), bf16(hi[c])) of two keys' float32 rows, c < W, stored at dst.
+inline void store_p_pairs(uint32_t* dst, __m512 lo, __m512 hi) {
   const __m512i lanes = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
+  const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in words 0..15, hi above
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(lanes, ab));
+}
+
+// Pp[q][c] = (bf16(P[2q][c]), bf16(P[2q+1][c])) for q < ceil(jn / 2), c < np, the pair of an
+// odd last key zero; P is float32 [jn] rows of ldp.
+void pack_p_pairs_ld(const float* P, int64_t jn, int64_t ldp, int64_t np, uint32_t* Pp) {
   for (int64_t q = 0; 2 * q < jn; ++q) {
     const float* lo = P + 2 * q * ldp;
     const float* hi = 2 * q + 1 < jn ? lo + ldp : nullptr;
-    for (int64_t c0 = 0; c0 < np; c0 += W) {
-      const __m512 a = _mm512_loadu_ps(lo + c0);
-      const __m512 b = hi ? _mm512_loadu_ps(hi + c0) : _mm512_setzero_ps();
-      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in words 0..15, b above
-      _mm512_storeu_si512(Pp + q * np + c0, _mm512_permutexvar_epi16(lanes, ab));
-    }
+    for (int64_t c0 = 0; c0 < np; c0 += W)
+      store_p_pairs(Pp + q * np + c0, _mm512_loadu_ps(lo + c0),
+                    hi ? _mm512_loadu_ps(hi + c0) : _mm512_setzero_ps());
   }
-}
-void pack_p_pairs(const float* P, int64_t jn, int64_t np, uint32_t* Pp) {
-  pack_p_pairs_ld(P, jn, np, np, Pp);
 }
 // Rows [j0, j0 + 2 pairs) of a bf16 [keys][dim] buffer (row stride rs) transposed into pairs
 // along the keys: dst[d * ld + q] = (X[j0 + 2q][d], X[j0 + 2q + 1][d]), keys from jend on zero.

@@ -21,6 +21,11 @@ constexpr int MR = 6, NR = 2;  // 12 + 2 + 1 of 16 xmm/NEON registers (of 32 on 
 // and O^T stay in L2 beside a block's K and V rows (64 x 64 float32 scores: 16 KiB).
 constexpr int64_t kBq = 64;
 constexpr int64_t kBk = 64;
+// bfloat16 forwards on wide tiles (AVX512-BF16 / AMX) take key blocks of kBkBf16: half as
+// many online-softmax steps (O^T's rescale, block maxima, tile loads) for the same AMX
+// work. Scratch is sized for the larger of the two (kBkMax).
+constexpr int64_t kBkBf16 = 128;
+constexpr int64_t kBkMax = kBkBf16 > kBk ? kBkBf16 : kBk;
 
 // Split keys: when a call has fewer than four tasks a thread (B1 decode), each tile's keys
 // are cut into shares of at least this many key rows (keys times the heads walked
