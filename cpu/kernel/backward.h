@@ -13,7 +13,7 @@ struct BwdCtx {
   const SdpaBwdBuffers* buf;
   Arena arena;
   int64_t nchunk, chunk;  // key chunks per (b, hk) and their length
-  float* dq_part;         // [nchunk][B][Hk][Lq * G][Dp] float32
+  float* dq_part;         // [nchunk][B][Hk][Lq * G][Dp] float32, each bwd_task's part zeroed by it
   int64_t Dp, Dvp;
   SegBlocks segs;
 };
@@ -26,6 +26,9 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   const int64_t BH = p.batch * p.heads_kv;
   const int64_t ch = task / BH, bh = task % BH;
   const int64_t b = bh / p.heads_kv, hk = bh % p.heads_kv;
+  // This task's part of dq, zeroed by the thread that sums into it (dq_part is not).
+  float* dqp = ctx.dq_part + ((ch * p.batch + b) * p.heads_kv + hk) * (p.len_q * G) * Dp;
+  memset(dqp, 0, p.len_q * G * Dp * sizeof(float));
   const int64_t k0 = ch * ctx.chunk, k1 = min64(p.len_kv, k0 + ctx.chunk);
   if (k1 <= k0) return;
   const int64_t kvlen = clamp_length(p.kv_lengths, b, p.len_kv);
@@ -105,8 +108,6 @@ void bwd_task(void* vctx, int64_t task, int participant) {
   (void)Kpc, (void)Vpc, (void)Qp, (void)dOp, (void)Kt, (void)Pa, (void)dSa, (void)dSb;
   (void)Qb, (void)dOb, (void)dQt;
 #endif
-  float* dqp = ctx.dq_part + ((ch * p.batch + b) * p.heads_kv + hk) * (p.len_q * G) * Dp;
-
   const int64_t rows = qlen * G;
   for (int64_t r0 = 0; k1e > k0 && r0 < rows; r0 += kBq) {
     t.r0 = r0;
