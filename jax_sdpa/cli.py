@@ -415,12 +415,15 @@ def _explain_phase(cfg, batch, length, phase, implementation, platform):
     return fwd
 
 
+_REFUSED = "refused: "  # a demo cell's text for an implementation that can't serve its call
+
+
 def _demo_error(e):
     msg = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, NotImplementedError):
-        return "refused: " + msg.split("can't serve this call: ")[-1][:100]
+        return _REFUSED + msg.split("can't serve this call: ")[-1][:100]
     if "can't serve this attention call" in msg:  # a cuDNN graph refused when it was built
-        return "refused: " + msg.split("jax_sdpa: ")[-1][:100]
+        return _REFUSED + msg.split("jax_sdpa: ")[-1][:100]
     return f"{type(e).__name__}: {msg[:100]}"
 
 
@@ -508,7 +511,7 @@ def run_demo(steps=16, small=False, out=None):
         for phase in ("prefill", "decode", "train"):
             if isinstance(res[phase], str):
                 table.append([phase, label, impl or "-", res[phase], "-", "-"])
-                if not res[phase].startswith("refused: "):
+                if not res[phase].startswith(_REFUSED):
                     failed.append(table[-1])
                 continue
             value, t, mem = res[phase]
