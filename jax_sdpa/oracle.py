@@ -188,11 +188,14 @@ def forward(q, k, v, *, scale: Optional[float] = None, mask=None, sinks=None,
 def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=None,
              q_lengths=None, kv_lengths=None, window_left: int = -1, window_right: int = -1,
              bottom_right: bool = False, seq_major: bool = False, q_segment_ids=None,
-             kv_segment_ids=None, logits_soft_cap: Optional[float] = None):
+             kv_segment_ids=None, logits_soft_cap: Optional[float] = None, out=None):
     """Gradients of sum(out * dout) in float64, from the forward's probabilities (not by
     differentiating code under test): {"dq", "dk", "dv"} in the inputs' layout, plus
     "dmask" (the additive mask's gradient, summed over its broadcast dims) and "dsinks"
-    (shaped like `sinks`) when those are given. Arguments as `forward`."""
+    (shaped like `sinks`) when those are given. Arguments as `forward`; `out`: the forward
+    output a backward kernel is handed, whose rowsum(dout * out) then stands for the exact
+    one (as in flash backwards), so a 16-bit output's rounding is not charged to the
+    backward."""
     additive_mask = (mask is not None and not isinstance(mask, str)
                      and np.asarray(mask).dtype != np.bool_)
     mask_shape = None if not additive_mask else np.asarray(mask).shape
@@ -212,7 +215,14 @@ def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=N
     with np.errstate(invalid="ignore", over="ignore"):
         dp = _matmul(dout, np.swapaxes(v_full, -1, -2))  # per pair: dropped where invisible
         dp = np.where(visible, dp, 0.0)
-        delta = np.sum(np.where(visible, prob * dp, 0.0), axis=-1, keepdims=True)
+        if out is None:
+            delta = np.sum(np.where(visible, prob * dp, 0.0), axis=-1, keepdims=True)
+        else:
+            out = np.asarray(out)
+            out = out.astype(np.float64 if out.dtype == np.float64 else np.float32)  # bf16
+            out = out.astype(np.float64)
+            out = np.swapaxes(out, 1, 2) if seq_major else out
+            delta = np.sum(dout * out, axis=-1, keepdims=True)
         ds = np.where(visible, prob * (dp - delta), 0.0)
         # through the cap: d logit / d (scale q.k) = 1 - tanh^2 (the mask's gradient is ds)
         ds_dots = ds if slope is None else np.where(visible, ds * slope, 0.0)

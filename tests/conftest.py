@@ -28,8 +28,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-    """Fresh random inputs every run; the seed is printed when a test fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh random inputs every run; the seed is printed when a test fails, and
+    JAX_SDPA_TEST_SEED replays it."""
+    seed = int(os.environ.get("JAX_SDPA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"[{request.node.name}] numpy seed = {seed}")
     return np.random.default_rng(seed)
 

@@ -70,6 +70,36 @@ def test_backward_matches_finite_differences(rng):
         np.testing.assert_allclose(grads[name], fd, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("seq_major", [False, True])
+def test_backward_from_a_given_output(seq_major, rng):
+    """`out=` replaces the exact rowsum(dout * out) with the given output's: the exact output
+    changes nothing; an output off by e moves dq by exactly -scale * P (dout . e) K."""
+    b, hq, hk, lq, lk, d = 2, 4, 2, 5, 7, 3
+    q, k, v, dout = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hk, lk, d),
+                                                      (b, hk, lk, d), (b, hq, lq, d)))
+    kw = dict(scale=0.6, sinks=rng.standard_normal(hq), kv_lengths=np.array([4, 7]))
+    if seq_major:
+        q, k, v, dout = (np.swapaxes(x, 1, 2) for x in (q, k, v, dout))
+    out, _ = oracle.forward(q, k, v, seq_major=seq_major, **kw)
+    exact = oracle.backward(q, k, v, dout, seq_major=seq_major, **kw)
+    given = oracle.backward(q, k, v, dout, seq_major=seq_major, out=out, **kw)
+    for name in exact:
+        np.testing.assert_allclose(given[name], exact[name], rtol=1e-12, atol=1e-12)
+    off = rng.standard_normal(out.shape) * 1e-2
+    moved = oracle.backward(q, k, v, dout, seq_major=seq_major, out=out + off, **kw)
+    heads = (lambda x: np.swapaxes(x, 1, 2)) if seq_major else (lambda x: x)
+    _, lse = oracle.forward(q, k, v, seq_major=seq_major, **kw)
+    k_full = np.repeat(heads(k), hq // hk, axis=1)
+    logits = kw["scale"] * heads(q) @ np.swapaxes(k_full, -1, -2)
+    seen = np.arange(lk) < kw["kv_lengths"][:, None, None, None]
+    prob = np.where(seen, np.exp(logits - lse[..., None]), 0.0)
+    shift = np.sum(heads(dout) * heads(off), axis=-1, keepdims=True)  # delta's change
+    want = heads(exact["dq"]) - kw["scale"] * (prob * shift) @ k_full
+    np.testing.assert_allclose(heads(moved["dq"]), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(moved["dv"], exact["dv"], rtol=1e-12, atol=1e-12)
+    assert not np.allclose(moved["dq"], exact["dq"])
+
+
 def test_nan_rows_and_invisible_keys(rng):
     b, hq, lq, lk, d = 2, 2, 4, 6, 8
     q, k, v = (rng.standard_normal(s) for s in ((b, hq, lq, d), (b, hq, lk, d), (b, hq, lk, d)))
