@@ -398,9 +398,8 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
     if (__atomic_add_fetch(&ctx.done[tile_task], 1, __ATOMIC_ACQ_REL) != ctx.nsplit) return;
     merge_shares(ctx, tile_task, t, narrow, m, l, O);
   }
-  // Wide float32 tiles stream their rows past the cache (no read for ownership of lines the
-  // call never reads).
-  const bool stream = !narrow && p.dtype == DType::kF32 && Dv % W == 0;
+  // Wide tiles stream their rows past the cache (decode rows are few and read soon).
+  const bool stream = !narrow;
   // Nothing visible (l == 0) -> 0 and -inf. A NaN score made l NaN: the row is NaN (l > 0
   // would call it empty).
   for (int64_t c = 0; c < t.n; ++c) {
@@ -411,16 +410,10 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
     *lse = live ? m[c] + logf(l[c]) : -INFINITY;
     if (live && t.KL > t.KF) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? O[c * Dv + d] : O[d * t.np + c];
-#if defined(__AVX512F__)
-      float* dst = static_cast<float*>(ctx.buf->out) + oidx;
-      if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[c]);
-        for (int64_t d = 0; d < Dv; d += W)
-          _mm512_stream_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(tmp + d), inv));
-        continue;
-      }
-#endif
-      store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+      if (stream)
+        store_row_streamed(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+      else
+        store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
     } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
       store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
@@ -428,9 +421,7 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
       store_zeros(ctx.buf->out, p.dtype, oidx, Dv);
     }
   }
-#if defined(__AVX512F__)
-  if (stream) _mm_sfence();  // streamed stores are weakly ordered: visible before the pool's
-#endif                       // completion count says so
+  if (stream) stream_fence();
 }
 
 // sc.next_k / next_v: the K / V rows of keys [j1, j1 + n) of the tile's kv head, n <= kBk

@@ -215,6 +215,28 @@ void store_row(void* dst, DType t, int64_t idx, const float* src, float mul, int
     for (int64_t x = 0; x < n; ++x) d[x] = f32_to_f16(src[x] * mul);
   }
 }
+// store_row for output rows the call never reads again: float32 rows on 64-byte boundaries
+// with whole vectors go out by non-temporal stores (no read for ownership of their lines; the
+// same product src * mul). The caller calls stream_fence() before it publishes them.
+void store_row_streamed(void* dst, DType t, int64_t idx, const float* src, float mul, int64_t n) {
+#if defined(__AVX512F__)
+  float* d = static_cast<float*>(dst) + idx;
+  if (t == DType::kF32 && n % W == 0 && reinterpret_cast<uintptr_t>(d) % 64 == 0) {
+    const __m512 m = _mm512_set1_ps(mul);
+    for (int64_t x = 0; x < n; x += W)
+      _mm512_stream_ps(d + x, _mm512_mul_ps(_mm512_loadu_ps(src + x), m));
+    return;
+  }
+#endif
+  store_row(dst, t, idx, src, mul, n);
+}
+// Non-temporal stores are weakly ordered: this orders them before a later release (the
+// pool's completion count).
+inline void stream_fence() {
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
 void store_zeros(void* dst, DType t, int64_t idx, int64_t n) {
   if (n <= 0) return;  // an empty buffer may have no address
   const size_t es = dtype_bytes(t);
