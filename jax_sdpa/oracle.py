@@ -218,9 +218,7 @@ def backward(q, k, v, dout, *, scale: Optional[float] = None, mask=None, sinks=N
         if out is None:
             delta = np.sum(np.where(visible, prob * dp, 0.0), axis=-1, keepdims=True)
         else:
-            out = np.asarray(out)
-            out = out.astype(np.float64 if out.dtype == np.float64 else np.float32)  # bf16
-            out = out.astype(np.float64)
+            out = np.asarray(out, np.float64)
             out = np.swapaxes(out, 1, 2) if seq_major else out
             delta = np.sum(dout * out, axis=-1, keepdims=True)
         ds = np.where(visible, prob * (dp - delta), 0.0)

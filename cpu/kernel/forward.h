@@ -410,10 +410,8 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
     *lse = live ? m[c] + logf(l[c]) : -INFINITY;
     if (live && t.KL > t.KF) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = narrow ? O[c * Dv + d] : O[d * t.np + c];
-      if (stream)
-        store_row_streamed(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
-      else
-        store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
+      (stream ? store_row_streamed : store_row)(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c],
+                                                Dv);
     } else if (live) {  // a sink and no key: 0 (NaN with a NaN sink)
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
       store_row(ctx.buf->out, p.dtype, oidx, tmp, 1.0f / l[c], Dv);
