@@ -24,7 +24,9 @@ NB_MODULE(_sdpa_cpu, m) {
         "overrides); twice as many while other processes keep the cores busy.");
   m.def("oversubscribed", [] { return jax_sdpa::cpu::ThreadPool::global().oversubscribed(); },
         "Whether the kernel's jobs now go to twice num_threads() threads (the cores were "
-        "found busy with other work).");
+        "found busy with other work within the last busy_verdict_seconds()).");
+  m.def("busy_verdict_seconds", &jax_sdpa::cpu::ThreadPool::busy_verdict_seconds,
+        "How long a verdict that the cores are busy lasts without a long job confirming it.");
   jax_sdpa::def_shape_fact(m, "unsupported_reason", &jax_sdpa::cpu::unsupported_reason,
                            "Why the kernel can't serve these shapes ('' when it can).");
 }

@@ -61,6 +61,13 @@ bool poll_for(std::chrono::microseconds period, Cond cond) {
 // running on another core only up to its last tick.)
 constexpr int64_t kWindowNs = 4'000'000;
 constexpr double kBusyBelow = 0.70, kQuietAbove = 0.85;
+// A busy verdict lasts this long past the last window that found the cores contended. Short
+// jobs never probe, so without an end a busy spell left every later short call in busy mode
+// (workers asleep between calls) on a quiet machine until some long job ran again: B1
+// H32/KV8 D128 Lk1024 float32 decode 1 s after stress-ng had stopped 0.395-0.410 ms, with
+// this end 0.29-0.37 (Intel Xeon VM, docs/cpu.md). Long jobs on a busy machine keep the
+// verdict fresh (a window every few milliseconds).
+constexpr int64_t kBusyVerdictNs = 250'000'000;
 
 int64_t ns(const timespec& t) { return t.tv_sec * 1'000'000'000LL + t.tv_nsec; }
 int64_t thread_cpu_ns() {
@@ -117,10 +124,10 @@ struct ThreadPool::Impl {
   std::condition_variable core_cv, extra_cv;
   std::deque<std::shared_ptr<Job>> queue;
   std::atomic<int> front_width{0};  // the front job's width (0: none), polled without the lock
-  std::atomic<bool> oversubscribed{false};
-  std::chrono::microseconds poll_period() const {
-    return oversubscribed.load(std::memory_order_relaxed) ? kPollBusy : kPollQuiet;
-  }
+  // Until when (wall_ns) long jobs are offered to the extra threads; 0: the cores were quiet.
+  std::atomic<int64_t> busy_until{0};
+  bool busy() const { return wall_ns() < busy_until.load(std::memory_order_relaxed); }
+  std::chrono::microseconds poll_period() const { return busy() ? kPollBusy : kPollQuiet; }
   // The contention probe's window: sampled jobs' wall time times the cores they could keep
   // busy, and the CPU time they got.
   std::mutex probe_mu;
@@ -170,8 +177,11 @@ struct ThreadPool::Impl {
     window_cpu += job.run_cpu.load();
     if (window_wall < kWindowNs * busy_cores) return;
     const double share = static_cast<double>(window_cpu) / window_wall;
-    if (!oversubscribed.load() && share < kBusyBelow) oversubscribed.store(true);
-    else if (oversubscribed.load() && share > kQuietAbove) oversubscribed.store(false);
+    const bool was_busy = busy();
+    if (was_busy ? share <= kQuietAbove : share < kBusyBelow)
+      busy_until.store(wall_ns() + kBusyVerdictNs);
+    else if (was_busy)
+      busy_until.store(0);
     window_wall = window_cpu = 0;
   }
 };
@@ -188,10 +198,11 @@ ThreadPool::ThreadPool(int cores) : impl_(new Impl(cores)), cores_(cores) {
 }
 
 int ThreadPool::participants(bool long_job) const {
-  return long_job && impl_->oversubscribed.load(std::memory_order_relaxed) ? capacity() : cores_;
+  return long_job && impl_->busy() ? capacity() : cores_;
 }
 
-bool ThreadPool::oversubscribed() const { return impl_->oversubscribed.load(); }
+bool ThreadPool::oversubscribed() const { return impl_->busy(); }
+double ThreadPool::busy_verdict_seconds() { return kBusyVerdictNs * 1e-9; }
 
 ThreadPool& ThreadPool::global() {
   static ThreadPool* pool = [] {

@@ -10,7 +10,8 @@
 // threads. While other processes keep the cores busy (measured: the CPU time the threads of
 // long jobs get against their wall time), long jobs are offered to twice as many threads,
 // which win them a larger share of the contended cores. On a quiet machine the extra threads
-// stay parked: more threads than cores would only preempt each other.
+// stay parked: more threads than cores would only preempt each other. Only long jobs measure,
+// so the busy verdict ends on its own unless they keep confirming it.
 #pragma once
 
 #include <cstdint>
@@ -36,8 +37,10 @@ class ThreadPool {
   // The most threads that take part in one job (per-participant scratch is sized for this).
   int capacity() const { return cores_ == 1 ? 1 : 2 * cores_; }
   int cores() const { return cores_; }
-  // Whether long jobs are offered to the extra threads now (the machine was found busy).
+  // Whether long jobs are offered to the extra threads now (the machine was found busy
+  // within the last busy_verdict_seconds()).
   bool oversubscribed() const;
+  static double busy_verdict_seconds();
 
   // Runs fn(ctx, i, participant) for i in [0, n) on participants(long_job) threads and
   // returns when all are done.

@@ -643,7 +643,9 @@ def test_bf16_decode_tiles_match_float64(shape, seq_major, case, rng):
 def test_long_calls_on_a_busy_machine(rng):
     """With twice as many spinning processes as cores, the pool finds the cores contended and
     offers long calls (forward, backward, a long decode) to its extra threads; every call,
-    before and after the switch, matches the float64 oracle."""
+    before and after the switch, matches the float64 oracle. Once the spinners stop, the
+    verdict ends by itself within busy_verdict_seconds() while only short calls run (they
+    never measure the cores), and those still match."""
     import subprocess
     import sys
     import time
@@ -687,3 +689,11 @@ def test_long_calls_on_a_busy_machine(rng):
         for p in spinners:
             p.kill()
             p.wait()
+    short_q, short_kv = _normal(rng, 1, 8, 1, 64), _normal(rng, 1, 2, 256, 64)  # a short decode
+    want_short, _ = oracle.forward(short_q.astype(np.float64), short_kv.astype(np.float64),
+                                   short_kv.astype(np.float64), scale=0.125)
+    deadline = time.monotonic() + cpu.busy_verdict_seconds() + 1.0
+    while cpu.oversubscribed() and time.monotonic() < deadline:
+        out, _ = _call_fwd(short_q, short_kv, short_kv, scale=0.125)
+        assert _rel(out, want_short) <= RTOL
+    assert not cpu.oversubscribed(), "short calls on a quiet machine kept the busy verdict"
