@@ -384,6 +384,38 @@ def test_prefill_from_a_slot_major_cache(shape, rng):
     assert _lse_err(lse, want_lse) <= LSE_ATOL
 
 
+@pytest.mark.parametrize("case", ["causal", "window", "segments", "lengths"])
+def test_prefill_tiles_sharing_a_task(case, rng):
+    """Prefill whose kv heads hold more than a MiB of K and V: on AVX2 builds consecutive
+    query tiles of a head share a task and walk the key blocks together (kWideTilesPerTask),
+    each over its own keys (a sliding window starts every tile at other keys); other builds
+    run them a tile a task. Against the float64 oracle, [B, H, L, D] layout, 66 tiles a kv
+    head with a wide last tile."""
+    b, hq, hk, lq, lk, d = 1, 4, 2, 2085, 2085, 128
+    q, k, v = _normal(rng, b, hq, lq, d), _normal(rng, b, hk, lk, d), _normal(rng, b, hk, lk, d)
+    kw, want_kw = dict(scale=1 / np.sqrt(d)), {}
+    if case == "causal":
+        kw.update(window_right=0, bottom_right=True)
+        want_kw["mask"] = "causal"
+    elif case == "window":
+        kw.update(window_left=300, window_right=0, bottom_right=True)
+        want_kw.update(window_left=300, window_right=0, bottom_right=True)
+    elif case == "segments":
+        ids = np.repeat(np.arange(7, dtype=np.int32), -(-lq // 7))[None, :lq]
+        kw.update(q_segment_ids=ids, kv_segment_ids=ids)
+        want_kw["q_segment_ids"] = ids
+    else:
+        kvl = np.array([1500], np.int32)
+        k[:, :, kvl[0]:] = np.nan
+        v[:, :, kvl[0]:] = np.nan
+        kw["kv_lengths"] = want_kw["kv_lengths"] = kvl
+    out, lse = _call_fwd(q, k, v, **kw)
+    q64, k64, v64 = (np.nan_to_num(x.astype(np.float64)) for x in (q, k, v))
+    want, want_lse = oracle.forward(q64, k64, v64, scale=1 / np.sqrt(d), **want_kw)
+    assert _rel(out, want) <= RTOL
+    assert _lse_err(lse, want_lse) <= LSE_ATOL
+
+
 # ---------------------------------------------------------------------------
 # the paged forward (pages read in place)
 

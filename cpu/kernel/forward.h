@@ -12,6 +12,9 @@ struct FwdCtx {
   int64_t tiles;  // per (b, hk)
   int64_t group_heads = 1;  // kv heads a task walks together (fwd_task)
   int64_t bk = kBk;  // keys a block of wide tiles (kBkBf16 for bf16 products); narrow: kBk
+  // Wide tiles a task walks together over the key blocks (kWideTilesPerTask), each with its
+  // own Q^T and O^T in the task's arena; 1: the one tile uses the block scratch's.
+  int64_t tiles_per_task = 1;
   // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
   // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
   // state in part; the share that finishes last (done[tile] counts them) merges them.
@@ -68,15 +71,21 @@ struct TileState {
   bool narrow;
   bool bf16_pairs;  // narrow with the bf16 products (bf16 on AVX512-BF16): both by VDPBF16PS
   int np2;
-  float *Qr, *Or, *Ot, *m, *l, *alpha;
-  uint32_t* Qb;  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
+  float *Qr, *Or, *Qt, *Ot, *m, *l, *alpha;
+  uint32_t* Qb;
+  uint32_t* Qp;  // wide bf16 products: Qt as bf16 pairs  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
   int64_t ka, kb;
   float* O() const { return narrow ? Or : Ot; }
 };
-size_t tile_state_bytes(int64_t D, int64_t Dv) {
+inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
+// own_wide: the tile keeps its wide Q^T, O^T and Q pairs (FwdCtx::tiles_per_task > 1).
+size_t tile_state_bytes(int64_t D, int64_t Dv, bool own_wide) {
   return 4 * (size_t)round_up(kBq * 8, 64) + (size_t)round_up(kBq * 4, 64) +
          floats_bytes(W * D) + floats_bytes(W * Dv) + 3 * floats_bytes(kBq) +
-         floats_bytes(W * narrow_pair_words(D));
+         floats_bytes(W * narrow_pair_words(D)) +
+         (own_wide ? floats_bytes(D * kBq) + floats_bytes(Dv * kBq) +
+                         floats_bytes(pair_words(D) * kBq)
+                   : 0);
 }
 
 // What a task reuses for every block of every tile it runs.
@@ -89,7 +98,6 @@ struct BlockScratch {
   const char** next_v;
   uint32_t *Qp, *Kp, *Vp, *Pp;  // bf16 pairs (bf16_products)
 };
-inline int64_t pair_words(int64_t D) { return (D + 1) / 2; }
 size_t block_scratch_bytes(int64_t D, int64_t Dv) {
   return (size_t)round_up(4 * kBkMax * 8, 64) + floats_bytes(max64(D, Dv)) +
          4 * (size_t)round_up(kBk * 8, 64) +
@@ -137,11 +145,14 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   t.qseg = cv.i32(kBq);
   st->Qr = cv.floats(W * D);
   st->Or = cv.floats(W * Dv);
-  st->Ot = sc.Ot;
   st->m = cv.floats(kBq);
   st->l = cv.floats(kBq);
   st->alpha = cv.floats(kBq);
   st->Qb = reinterpret_cast<uint32_t*>(cv.floats(W * narrow_pair_words(D)));
+  const bool own_wide = ctx.tiles_per_task > 1;
+  st->Qt = own_wide ? cv.floats(D * kBq) : sc.Qt;
+  st->Ot = own_wide ? cv.floats(Dv * kBq) : sc.Ot;
+  st->Qp = own_wide ? reinterpret_cast<uint32_t*>(cv.floats(pair_words(D) * kBq)) : sc.Qp;
   setup_tile(p, &t);
   // Decode-shaped tiles take the narrow kernels (whole vectors of K and V rows).
   st->narrow = t.n <= kNarrow && D % W == 0 && Dv % W == 0;
@@ -164,9 +175,9 @@ void start_tile(const FwdCtx& ctx, int64_t b, int64_t hk, int64_t tile, int64_t 
   st->ka = t.KF + share * nblk / ctx.nsplit * bk;
   st->kb = min64(t.KL, t.KF + (share + 1) * nblk / ctx.nsplit * bk);
   if (st->kb > st->ka) {
-    pack_rows(p, t, ctx.buf->q, p.q_stride, D, sc.Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
+    pack_rows(p, t, ctx.buf->q, p.q_stride, D, st->Qt, st->narrow ? st->Qr : nullptr, D, sc.tmp);
 #if defined(__AVX512BF16__)
-    if (bf16_products(p) && !st->narrow) pack_q_pairs(sc.Qt, D, t.np, sc.Qp);
+    if (bf16_products(p) && !st->narrow) pack_q_pairs(st->Qt, D, t.np, st->Qp);
     if (st->bf16_pairs) pack_q_rows_bf16(st->Qr, D, st->np2, st->Qb, narrow_pair_words(D));
 #endif
   }
@@ -241,7 +252,7 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     const float* kp = static_cast<const float*>(buf.k);
     for (int64_t r = 0; r < nruns; ++r) {
       if (runs[r].k < 0) continue;
-      gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, sc.Qt, np, St + runs[r].j * np,
+      gemm(runs[r].n, np, D, kp + runs[r].k, p.k_stride[2], 1, st.Qt, np, St + runs[r].j * np,
            np, false);
     }
 #if defined(__AVX512BF16__)
@@ -267,13 +278,13 @@ void tile_block(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64_
     if (!vt_block) pack_v_pairs(vrow, jn, Dv, sc.Vp);
     if (k_in_place)
       gemm_bf16(jn, np, pair_words(D), reinterpret_cast<const uint32_t*>(kp + runs[0].k),
-                p.k_stride[2] / 2, 1, sc.Qp, np, St, np, false);
+                p.k_stride[2] / 2, 1, st.Qp, np, St, np, false);
     else
-      gemm_bf16(jn, np, pair_words(D), sc.Kp, pair_words(D), 1, sc.Qp, np, St, np, false);
+      gemm_bf16(jn, np, pair_words(D), sc.Kp, pair_words(D), 1, st.Qp, np, St, np, false);
 #endif
   } else {
     load_block_rows(p, buf, runs, nruns, sc.Kf, sc.Vf);
-    gemm(jn, np, D, sc.Kf, D, 1, sc.Qt, np, St, np, false);
+    gemm(jn, np, D, sc.Kf, D, 1, st.Qt, np, St, np, false);
   }
   // Wide tiles scale the scores as the softmax reads them, where that is the same bits.
   const bool scale_later = !st.narrow && scale_after_masks(p);
@@ -455,21 +466,27 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   // One group of kv heads at a time, its heaviest tiles (latest queries under a causal band)
   // first: consecutive tasks read the same K and V, which stay in cache (tile by tile across
   // all heads streamed every head's K and V once a tile: B1 H24 D64 L4096 693 -> 600 ms,
-  // H8 L16384 3457 -> 3061 ms in the kernel harness).
+  // H8 L16384 3457 -> 3061 ms in the kernel harness). A task walks either gh kv heads of
+  // one tile (decode) or ctx.tiles_per_task consecutive tiles of one kv head.
+  const int64_t tpt = ctx.tiles_per_task, chunks = (ctx.tiles + tpt - 1) / tpt;
   const int64_t share = task % ctx.nsplit, group_task = task / ctx.nsplit;
-  const int64_t bg = group_task / ctx.tiles, tile = ctx.tiles - 1 - group_task % ctx.tiles;
+  const int64_t bg = group_task / chunks, first = group_task % chunks * tpt;
   const int64_t b = bg / groups, hk0 = bg % groups * gh, nh = min64(gh, Hk - hk0);
+  const int64_t ntiles = min64(tpt, ctx.tiles - first);
 
   Carver cv{ctx.arena.base + ctx.arena.per * participant};
   const BlockScratch sc = carve_block_scratch(cv, D, Dv);
-  TileState states[kGroupHeads];
+  TileState states[kGroupHeads > kWideTilesPerTask ? kGroupHeads : kWideTilesPerTask];
+  int64_t tile_of[kGroupHeads > kWideTilesPerTask ? kGroupHeads : kWideTilesPerTask];
+  const int64_t nstates = nh * ntiles;  // one of the two is 1
   bool narrow = false;
   int64_t ka = INT64_MAX, kb = 0;
-  for (int64_t h = 0; h < nh; ++h) {
-    start_tile(ctx, b, hk0 + h, tile, share, cv, sc, &states[h]);
-    narrow |= states[h].narrow;
-    ka = min64(ka, states[h].ka);
-    kb = max64(kb, states[h].kb);
+  for (int64_t s = 0; s < nstates; ++s) {
+    tile_of[s] = ctx.tiles - 1 - (first + s % ntiles);
+    start_tile(ctx, b, hk0 + s / ntiles, tile_of[s], share, cv, sc, &states[s]);
+    narrow |= states[s].narrow;
+    ka = min64(ka, states[s].ka);
+    kb = max64(kb, states[s].kb);
   }
   if (narrow) {
     memset(sc.zero_row, 0, max64(D, Dv) * sizeof(float));
@@ -482,16 +499,17 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     while (step > 16 && 2 * step * nh * (D + Dv) * item > kDecodeBlockBytes) step /= 2;
   }
   for (int64_t j0 = ka; j0 < kb; j0 += step) {
-    for (int64_t h = 0; h < nh; ++h) {
-      TileState& st = states[h];
-      if (j0 < st.ka || j0 >= st.kb) continue;
+    for (int64_t s = 0; s < nstates; ++s) {
+      TileState& st = states[s];
+      // a tile's own keys within this block (tiles of one task may start at other keys)
+      const int64_t lo = max64(j0, st.ka), hi = min64(j0 + step, st.kb);
+      if (lo >= hi) continue;
       if (st.narrow) next_block_rows(ctx, st, j0 + step, step, sc);
-      tile_block(ctx, st, sc, j0, min64(step, st.kb - j0));
+      tile_block(ctx, st, sc, lo, hi - lo);
     }
   }
-  const int64_t tile_base = (ctx.tiles - 1 - tile) * BH + b * Hk;
-  for (int64_t h = 0; h < nh; ++h) {
-    const int64_t tile_task = tile_base + hk0 + h;
-    finish_tile(ctx, states[h], sc, tile_task * ctx.nsplit + share, tile_task);
+  for (int64_t s = 0; s < nstates; ++s) {
+    const int64_t tile_task = (ctx.tiles - 1 - tile_of[s]) * BH + b * Hk + hk0 + s / ntiles;
+    finish_tile(ctx, states[s], sc, tile_task * ctx.nsplit + share, tile_task);
   }
 }
