@@ -72,8 +72,8 @@ struct TileState {
   bool bf16_pairs;  // narrow with the bf16 products (bf16 on AVX512-BF16): both by VDPBF16PS
   int np2;
   float *Qr, *Or, *Qt, *Ot, *m, *l, *alpha;
-  uint32_t* Qb;
-  uint32_t* Qp;  // wide bf16 products: Qt as bf16 pairs  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
+  uint32_t* Qb;  // narrow bf16 tiles on AVX512-BF16: Qr as bf16 pairs (narrow_pair_words)
+  uint32_t* Qp;  // wide tiles' bf16 products: Qt as bf16 pairs
   int64_t ka, kb;
   float* O() const { return narrow ? Or : Ot; }
 };
