@@ -31,7 +31,7 @@ constexpr int64_t kBkMax = kBkBf16 > kBk ? kBkBf16 : kBk;
 // read from L3 or memory serves that many query tiles, where a kv head's K and V exceed
 // kWideGroupMinKvBytes. On the 2-core AMD EPYC (Zen 3, AVX2, 512 KiB L2), through the API,
 // alternating: B1 H8/KV2 D128 GQA forward L8192 4.05-4.11 -> 3.21-3.30 s, L4096 926-935 ->
-// 756-761 ms, L2048 within noise; B1 H8 D64 L4096 415-432 -> 391-409 ms; but L1024 (512 KiB
+// 726-761 ms, L2048 within noise; B1 H8 D64 L4096 415-432 -> 391-409 ms; but L1024 (512 KiB
 // of K and V a head, kept in L2 across one-tile tasks) 26.2-29.2 -> 30.0-31.9 ms. Measured
 // while the VM ran both threads at 70-90 GFLOP/s; later at 130-150 the two were within noise.
 // AVX-512 builds keep one tile a task (unmeasured there).
