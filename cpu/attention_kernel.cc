@@ -103,10 +103,10 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
   // its own).
   const bool all_wide = rows % kBq == 0 || rows % kBq > kNarrow;
   const int64_t head_kv_bytes = p.len_kv * (D + Dv) * dtype_bytes(p.dtype);
-  if (!narrow && all_wide && kWideTilesPerTask > 1 && head_kv_bytes > kWideGroupMinKvBytes &&
-      p.batch * p.heads_kv * ((ctx.tiles + kWideTilesPerTask - 1) / kWideTilesPerTask) >=
-          4 * parts)
+  if (!narrow && all_wide && head_kv_bytes > kWideGroupMinKvBytes) {
     ctx.tiles_per_task = kWideTilesPerTask;
+    if (p.batch * p.heads_kv * ctx.tile_chunks() < 4 * parts) ctx.tiles_per_task = 1;
+  }
   const int64_t states = max64(ctx.group_heads, ctx.tiles_per_task);
   const size_t per = block_scratch_bytes(D, Dv) +
                      states * tile_state_bytes(D, Dv, ctx.tiles_per_task > 1);
@@ -117,8 +117,7 @@ const char* forward_in_place(const SdpaParams& p, const SdpaFwdBuffers& buf, Thr
     return "jax_sdpa cpu: out of memory (segment ranges)";
   }
   const int64_t groups = (p.heads_kv + ctx.group_heads - 1) / ctx.group_heads;
-  const int64_t group_tasks =
-      p.batch * groups * ((ctx.tiles + ctx.tiles_per_task - 1) / ctx.tiles_per_task);
+  const int64_t group_tasks = p.batch * groups * ctx.tile_chunks();
   if (parts > 1 && group_tasks < 4 * parts) {
     // A share holds at least kSplitKeys key rows (keys times the heads walked together).
     ctx.nsplit = max64(1, min64(min64((4 * parts + group_tasks - 1) / group_tasks,

@@ -15,6 +15,8 @@ struct FwdCtx {
   // Wide tiles a task walks together over the key blocks (kWideTilesPerTask), each with its
   // own Q^T and O^T in the task's arena; 1: the one tile uses the block scratch's.
   int64_t tiles_per_task = 1;
+  // Groups of tiles_per_task consecutive tiles per (b, kv head group): tasks before splitting.
+  int64_t tile_chunks() const { return (tiles + tiles_per_task - 1) / tiles_per_task; }
   // Split keys: a tile's key blocks are cut into nsplit shares, one task each, when there
   // are too few tiles to keep every thread busy (decode). Each share leaves its softmax
   // state in part; the share that finishes last (done[tile] counts them) merges them.
@@ -468,7 +470,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   // all heads streamed every head's K and V once a tile: B1 H24 D64 L4096 693 -> 600 ms,
   // H8 L16384 3457 -> 3061 ms in the kernel harness). A task walks either gh kv heads of
   // one tile (decode) or ctx.tiles_per_task consecutive tiles of one kv head.
-  const int64_t tpt = ctx.tiles_per_task, chunks = (ctx.tiles + tpt - 1) / tpt;
+  const int64_t tpt = ctx.tiles_per_task, chunks = ctx.tile_chunks();
   const int64_t share = task % ctx.nsplit, group_task = task / ctx.nsplit;
   const int64_t bg = group_task / chunks, first = group_task % chunks * tpt;
   const int64_t b = bg / groups, hk0 = bg % groups * gh, nh = min64(gh, Hk - hk0);
@@ -477,13 +479,12 @@ void fwd_task(void* vctx, int64_t task, int participant) {
   Carver cv{ctx.arena.base + ctx.arena.per * participant};
   const BlockScratch sc = carve_block_scratch(cv, D, Dv);
   TileState states[kGroupHeads > kWideTilesPerTask ? kGroupHeads : kWideTilesPerTask];
-  int64_t tile_of[kGroupHeads > kWideTilesPerTask ? kGroupHeads : kWideTilesPerTask];
   const int64_t nstates = nh * ntiles;  // one of the two is 1
   bool narrow = false;
   int64_t ka = INT64_MAX, kb = 0;
   for (int64_t s = 0; s < nstates; ++s) {
-    tile_of[s] = ctx.tiles - 1 - (first + s % ntiles);
-    start_tile(ctx, b, hk0 + s / ntiles, tile_of[s], share, cv, sc, &states[s]);
+    start_tile(ctx, b, hk0 + s / ntiles, ctx.tiles - 1 - (first + s % ntiles), share, cv, sc,
+               &states[s]);
     narrow |= states[s].narrow;
     ka = min64(ka, states[s].ka);
     kb = max64(kb, states[s].kb);
@@ -509,7 +510,8 @@ void fwd_task(void* vctx, int64_t task, int participant) {
     }
   }
   for (int64_t s = 0; s < nstates; ++s) {
-    const int64_t tile_task = (ctx.tiles - 1 - tile_of[s]) * BH + b * Hk + hk0 + s / ntiles;
+    const Tile& t = states[s].t;
+    const int64_t tile_task = (ctx.tiles - 1 - t.r0 / kBq) * BH + b * Hk + t.hk;
     finish_tile(ctx, states[s], sc, tile_task * ctx.nsplit + share, tile_task);
   }
 }
