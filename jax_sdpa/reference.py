@@ -278,10 +278,13 @@ def _forward_without_lse(s, v, b, hq, lq, out_dtype, params, precision, probs_dt
 
 def _weighted_values(p, v, b, hq, lq, out_dtype, params, precision, probs_dtype):
     """out = P V from the normalized probabilities [B, Hk, G, Lq, Lk], in the caller's
-    layout and dtype."""
+    layout and dtype. With 16-bit P (`probs_dtype`) the matmul writes the output dtype
+    itself, as jax.nn's does, rather than float32 and a conversion after it (the tensor
+    cores accumulate in float32 either way)."""
     acc = p.dtype
     out = jnp.einsum("bkgij,bkjd->bkgid", _pv_operand(p, v.dtype, acc, probs_dtype), v,
-                     precision=precision, preferred_element_type=acc)
+                     precision=precision,
+                     preferred_element_type=acc if probs_dtype is None else out_dtype)
     return _from_bhld(out.reshape(b, hq, lq, v.shape[-1]).astype(out_dtype), params.seq_major)
 
 

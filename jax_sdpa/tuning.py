@@ -104,8 +104,11 @@ ROWS = {
         "cores): the backward of B1 H16 L4096 D512 causal ran in 2.95 ms against 5.34 ms "
         "with float32 operands (non-causal 3.00 vs 5.47); with it None (our flash forward "
         "and this backward) ran that row's forward+backward in 4.44 ms against jax.nn xla's "
-        "5.52 (217 vs 174 TFLOP/s, peers_features.json); on a CPU they stay float32",
-        "benchmarks/results/h200/wide_bwd.json"),
+        "5.52 (217 vs 174 TFLOP/s, peers_features.json); on a CPU they stay float32. P V "
+        "then writes the output dtype itself: our XLA forward of B1 H16 L4096 D512 1.542 -> "
+        "1.506 ms, causal 2.339 -> 2.295 (one H100, processes alternated; decode rows within "
+        "noise, xla_pv_out_dtype.json)",
+        "benchmarks/results/h200/wide_bwd.json, benchmarks/results/h100/xla_pv_out_dtype.json"),
     "CUDA_PAGED_FLASH_FOR_NONE": Row(
         False,
         "implementation=None runs a paged call on our CUDA paged target only where the paged "
