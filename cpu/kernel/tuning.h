@@ -79,7 +79,9 @@ constexpr bool kPrefetchFloat32V = false;
 // 512 KiB beat 1 MiB: B1 H32/KV8 D128 Lk16384 float32, two threads, 5.1-5.3 -> 4.6-4.8 ms
 // (kernel harness). On the Intel Xeon VM (2 MiB L2) 256 KiB beat 512 KiB on every long decode
 // row, 12-28% (B8 Lk4096 bfloat16 12.4-13.1 -> 9.1-10.6 ms, B1 Lk32768 float32 16.9-18.1 ->
-// 14.1-14.8), 128 KiB no further (decode_block_bytes.json); 256 KiB is unmeasured on the AMD VM.
+// 14.1-14.8), 128 KiB no further (decode_block_bytes.json). On an AVX2-only AMD EPYC VM (512 KiB
+// L2 a core) 256 KiB, 512 KiB and 1 MiB were within noise: B1 Lk16384 float32 13.8-15.2 /
+// 13.8-15.2 / 14.1-15.7 ms, three alternating rounds through the API.
 constexpr int64_t kDecodeBlockBytes = 256 << 10;
 
 // Accumulators the narrow values kernel keeps in registers (half the vector registers), so a
