@@ -259,6 +259,14 @@ template <int NP2, typename T>
 void narrow_values_all(int64_t Dv, const void* const* vr, int64_t jn, const float* P,
                        int64_t np, const float* alpha, float* Or, int64_t ldo) {
   int64_t d0 = 0;
+  // Widened bfloat16 V rows: every row a pass (kWidenedValuesAllRows).
+  constexpr int kAllRowsDvc = kValueAccs / NP2 > 0 ? kValueAccs / NP2 : 1;
+  if constexpr (kWidenedValuesAllRows && sizeof(T) == 2 && NP2 > 1) {
+    for (; d0 + kAllRowsDvc * W <= Dv; d0 += kAllRowsDvc * W)
+      narrow_values_rows<NP2, kAllRowsDvc, T>(d0, vr, jn, P, np, alpha, Or, ldo);
+    for (; d0 < Dv; d0 += W) narrow_values_rows<NP2, 1, T>(d0, vr, jn, P, np, alpha, Or, ldo);
+    return;
+  }
   for (; d0 + kValueAccs * W <= Dv; d0 += kValueAccs * W)
     narrow_values_rows<NP2, kValueAccs, T>(d0, vr, jn, P, np, alpha, Or, ldo);
   if constexpr (kValueAccs > 8)

@@ -89,6 +89,15 @@ constexpr int64_t kDecodeBlockBytes = 256 << 10;
 // each row defeat the hardware prefetcher: about 2.7x slower reads from memory).
 constexpr int kValueAccs = W >= 16 ? 16 : 8;
 
+// bfloat16 V rows widened in registers (no AVX512-BF16) take every query row of a narrow tile
+// in each values pass, in column chunks of kValueAccs / rows vectors, so each V element is
+// widened once instead of once a row; V comes from L2 there (prefetched a block ahead), so
+// the short chunks cost no reads from memory. AVX2 AMD EPYC VM, through the API, builds
+// alternating (decode_bf16_values_20261207.json): B8 H32/KV8 D128 Lk4096 19.8-27.4 ->
+// 13.9-22.0 ms, GQA 8 B4 Lk8192 14.3-17.2 -> 10.0-16.2, B1 H8/KV2 Lk4096 0.43-0.46 ->
+// 0.31-0.38. Unmeasured on AVX-512 builds without BF16 and on NEON.
+constexpr bool kWidenedValuesAllRows = true;
+
 // A call long enough (about a millisecond on a core or more) to go to the pool's extra
 // threads while other processes keep the cores busy (cpu/thread_pool.h): this many
 // multiply-adds, or this many bytes of K and V read. Shorter calls lose more to waking and
