@@ -254,25 +254,22 @@ void narrow_values_rows(int64_t d0, const void* const* vr, int64_t jn, const flo
 // O rows += P . V, in column chunks of up to kValueAccs vectors. Each pass reads its chunk
 // of every V row in key order, so at D <= kValueAccs * W whole rows in order: passes over
 // the block's rows a few vectors each defeat the hardware prefetcher when V comes from
-// memory (decode), about 2.7x slower reads.
+// memory (decode), about 2.7x slower reads. bfloat16 rows widened in registers take chunks
+// of kValueAccs / NP2 vectors instead, every row a pass (kWidenedValuesAllRows).
 template <int NP2, typename T>
 void narrow_values_all(int64_t Dv, const void* const* vr, int64_t jn, const float* P,
                        int64_t np, const float* alpha, float* Or, int64_t ldo) {
+  constexpr int kChunk =
+      kWidenedValuesAllRows && sizeof(T) == 2 ? kValueAccs / NP2 : kValueAccs;
   int64_t d0 = 0;
-  // Widened bfloat16 V rows: every row a pass (kWidenedValuesAllRows).
-  constexpr int kAllRowsDvc = kValueAccs / NP2 > 0 ? kValueAccs / NP2 : 1;
-  if constexpr (kWidenedValuesAllRows && sizeof(T) == 2 && NP2 > 1) {
-    for (; d0 + kAllRowsDvc * W <= Dv; d0 += kAllRowsDvc * W)
-      narrow_values_rows<NP2, kAllRowsDvc, T>(d0, vr, jn, P, np, alpha, Or, ldo);
-    for (; d0 < Dv; d0 += W) narrow_values_rows<NP2, 1, T>(d0, vr, jn, P, np, alpha, Or, ldo);
-    return;
-  }
-  for (; d0 + kValueAccs * W <= Dv; d0 += kValueAccs * W)
-    narrow_values_rows<NP2, kValueAccs, T>(d0, vr, jn, P, np, alpha, Or, ldo);
-  if constexpr (kValueAccs > 8)
+  for (; d0 + kChunk * W <= Dv; d0 += kChunk * W)
+    narrow_values_rows<NP2, kChunk, T>(d0, vr, jn, P, np, alpha, Or, ldo);
+  if constexpr (kChunk > 8)
     for (; d0 + 8 * W <= Dv; d0 += 8 * W)
       narrow_values_rows<NP2, 8, T>(d0, vr, jn, P, np, alpha, Or, ldo);
-  for (; d0 + 4 * W <= Dv; d0 += 4 * W) narrow_values_rows<NP2, 4, T>(d0, vr, jn, P, np, alpha, Or, ldo);
+  if constexpr (kChunk > 4)
+    for (; d0 + 4 * W <= Dv; d0 += 4 * W)
+      narrow_values_rows<NP2, 4, T>(d0, vr, jn, P, np, alpha, Or, ldo);
   for (; d0 < Dv; d0 += W) narrow_values_rows<NP2, 1, T>(d0, vr, jn, P, np, alpha, Or, ldo);
 }
 
