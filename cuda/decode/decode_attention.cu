@@ -51,7 +51,7 @@ int env_int(const char* name, int fallback) {
   return std::atoi(v);
 }
 
-// Device facts, read once per device (attribute queries only: no allocation).
+// Device facts, read once per device (attribute and property queries only: no allocation).
 constexpr int kMaxSplits = 256;  // fused combine: per-split weights live in smem
 // What workspace_bytes sizes for, with no device at hand: a generous bound on SMs x resident
 // blocks (choose_splits takes at most 2 * slots / units + 2 splits) and a lower bound on
@@ -63,6 +63,7 @@ struct DeviceFacts {
   int sms = 0;
   int cc_major = 0;
   size_t max_smem_optin = 0;
+  bool h200 = false;  // an H200 (its name): the paged shapes of decode_tuning.h
 };
 std::mutex g_mu;
 std::map<int, DeviceFacts> g_devices;
@@ -86,6 +87,10 @@ cudaError_t device_facts(int device, DeviceFacts* out) {
   e = cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
   f.max_smem_optin = static_cast<size_t>(v);
+  cudaDeviceProp prop;
+  e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return e;
+  f.h200 = std::strstr(prop.name, "H200") != nullptr;
   g_devices[device] = f;
   *out = f;
   return cudaSuccess;
@@ -317,6 +322,22 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
   return false;
 }
 
+// The H200's paged table (decode_tuning.h) over the default a paged call of 8 rows a block
+// was given: the cp.async kernel in W8 S2 instead of the sparse-grid TMA kernel at D128, in
+// W16 S2 at D64.
+void h200_paged_shape(const SdpaParams& p, KernelVariant* want) {
+  const tuning::Shape* shape = nullptr;
+  if (p.head_dim == 128 && p.head_dim_v == 128 && want->tma && !want->wide &&
+      want->warps == tuning::kTma128Sparse.warps && want->stages == tuning::kTma128Sparse.stages)
+    shape = &tuning::kPagedH200Sparse128;
+  else if (p.head_dim == 64 && p.head_dim_v == 64 && !want->tma)
+    shape = &tuning::kPagedH200D64;
+  if (shape == nullptr) return;
+  *want = cp_async_request(p);
+  want->warps = shape->warps;
+  want->stages = shape->stages;
+}
+
 // Query rows a block takes: 16 (tensor cores, Dv <= 256) when the group has more than
 // tuning::kSixteenRowsAbove, else 8.
 int rows_per_block(const SdpaParams& p) {
@@ -511,6 +532,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
     want = dflt;
     want.paged = p.paged();
   }
+  // The device's paged table; JAX_SDPA_CUDA_DECODE_DEVICE_TABLE=h200|none picks one instead.
+  bool h200 = f.h200;
+  if (const char* v = tuning_knob("JAX_SDPA_CUDA_DECODE_DEVICE_TABLE")) h200 = std::strcmp(v, "h200") == 0;
+  if (p.paged() && h200 && rb == 8 && req.want == default_request() && !req.tma_off)
+    h200_paged_shape(p, &want);
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   if (k.variant.tma &&

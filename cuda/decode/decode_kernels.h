@@ -290,8 +290,9 @@ KernelInfo wide_select(int nw, int s) {
   return KernelInfo{};
 }
 
-// decode_tc_kernel over paged K/V, in its default shape (W, S as TcDefault): built for the
-// head dims of kPagedHeadDim. Tuning builds add W,S variants (JAX_SDPA_CUDA_DECODE_CFG).
+// decode_tc_kernel over paged K/V, in its default shape (W, S as TcDefault) and the H200's
+// (decode_tuning.h): built for the head dims of kPagedHeadDim. Tuning builds add W,S
+// variants (JAX_SDPA_CUDA_DECODE_CFG).
 template <int D, int DV>
 constexpr bool kPagedHeadDim = D == DV && (D == 64 || D == 128 || D == 256);
 
@@ -309,6 +310,11 @@ constexpr bool kTcFits = TcConfig<T, D, DV, NT, W, S>::kSmem + 64 <= 227 * 1024;
 
 template <typename T, int D, int DV, int NT>
 KernelInfo tc_paged_select(int w, int s) {
+  // The H200's paged shapes (decode_tuning.h), in every build.
+  constexpr tuning::Shape h200 = D == 64 ? tuning::kPagedH200D64 : tuning::kPagedH200Sparse128;
+  if constexpr (NT == 1 && (D == 64 || D == 128) && kTcFits<T, D, DV, NT, h200.warps, h200.stages>)
+    if (w == h200.warps && s == h200.stages)
+      return tc_paged_info<T, D, DV, NT, h200.warps, h200.stages>();
 #if JAX_SDPA_TUNING
 #define JAX_SDPA_PAGED_VARIANT(W, S) \
   if constexpr (kTcFits<T, D, DV, NT, W, S>) \
@@ -320,9 +326,6 @@ KernelInfo tc_paged_select(int w, int s) {
   JAX_SDPA_PAGED_VARIANT(8, 4)
   JAX_SDPA_PAGED_VARIANT(16, 2)
 #undef JAX_SDPA_PAGED_VARIANT
-#else
-  (void)w;
-  (void)s;
 #endif
   return tc_paged_info<T, D, DV, NT, TcDefault<D, DV>::W, TcDefault<D, DV>::S>();
 }

@@ -68,6 +68,17 @@ constexpr int kTmaL2Bytes = 128;
 // (sweep_20261130T1818.json).
 constexpr Shape kWideF32[] = {{8, 3, 0}, {8, 2, 0}};
 
+// Paged decode on an H200 (DeviceFacts::h200; other devices keep the shapes above), rows of
+// 8 query rows a block: at D = Dv = 128 where the TMA kernel's grid leaves SMs idle
+// (kTma128Sparse's case), the cp.async kernel in W8 S2: B8 H32/KV8 Lk8192 page 64 3149-3182
+// -> 3431-3481 GB/s, B1 Lk32768 page 16 2761-2806 -> 2882-2886; filled grids keep the TMA
+// kernel (B64 Lk2048 page 16 3934 against 3637). D = Dv = 64: W16 S2, B8 Lk8192 fp16 page 16
+// 2662-2691 -> 2847-2903 (h200/paged_sweep_20261207.json, three runs). On an H100 the
+// defaults win the same rows: 2747 against 2650, 2359 against 2270, 2271 against 2202
+// (h100/paged_sweep_20261207T1249.json).
+constexpr Shape kPagedH200Sparse128{8, 2, 0};
+constexpr Shape kPagedH200D64{16, 2, 0};
+
 // Least K + V bytes a split takes: enough to amortize a block's start and its partial.
 // 64 KiB against 32: B1 H32/KV4 Lk8192 D512 bf16 (decode_wide_kernel NW4 S4) 32.5 vs 32.6 us
 // a call, fp16 Lk1024 14.5 vs 14.8 (NW8 S4: 15.2 vs 15.1) (sweep_20261130T1359.json): no
