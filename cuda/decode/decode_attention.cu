@@ -322,20 +322,15 @@ bool tma_default(const SdpaParams& p, int rb, int64_t units, int sms, const Knob
   return false;
 }
 
-// The H200's paged table (decode_tuning.h) over the default a paged call of 8 rows a block
-// was given: the cp.async kernel in W8 S2 instead of the sparse-grid TMA kernel at D128, in
-// W16 S2 at D64.
-void h200_paged_shape(const SdpaParams& p, KernelVariant* want) {
-  const tuning::Shape* shape = nullptr;
-  if (p.head_dim == 128 && p.head_dim_v == 128 && want->tma && !want->wide &&
-      want->warps == tuning::kTma128Sparse.warps && want->stages == tuning::kTma128Sparse.stages)
-    shape = &tuning::kPagedH200Sparse128;
-  else if (p.head_dim == 64 && p.head_dim_v == 64 && !want->tma)
-    shape = &tuning::kPagedH200D64;
-  if (shape == nullptr) return;
-  *want = cp_async_request(p);
-  want->warps = shape->warps;
-  want->stages = shape->stages;
+// The H200's paged table (decode_tuning.h) for a paged call of 8 rows a block: the shape of
+// the cp.async kernel it takes over the defaults, or null where the defaults stay. At D128
+// it replaces the TMA kernel's sparse-grid shape (pages of whole 16-key tiles, fewer units
+// than SMs; tma_default's choice), at D64 the cp.async default.
+const tuning::Shape* h200_paged_shape(const SdpaParams& p, bool sparse_grid) {
+  if (p.head_dim == 128 && p.head_dim_v == 128 && p.page_size % kTileKeys == 0 && sparse_grid)
+    return &tuning::kPagedH200Sparse128;
+  if (p.head_dim == 64 && p.head_dim_v == 64) return &tuning::kPagedH200D64;
+  return nullptr;
 }
 
 // Query rows a block takes: 16 (tensor cores, Dv <= 256) when the group has more than
@@ -519,6 +514,17 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
 
   const int64_t R = p.group() * p.len_q;
   const int rb = rows_per_block(p);
+  const int64_t units = p.batch * p.heads_kv * ((R + rb - 1) / rb);
+  // The device's paged table, where no knob asks for a kernel (its shape makes want differ
+  // from the default below, so no TMA kernel replaces it);
+  // JAX_SDPA_CUDA_DECODE_DEVICE_TABLE=h200|none picks a table on any device.
+  bool h200 = f.h200;
+  if (const char* v = tuning_knob("JAX_SDPA_CUDA_DECODE_DEVICE_TABLE")) h200 = std::strcmp(v, "h200") == 0;
+  if (p.paged() && h200 && rb == 8 && req.want == default_request() && !req.tma_off)
+    if (const tuning::Shape* shape = h200_paged_shape(p, units < f.sms)) {
+      want.warps = shape->warps;
+      want.stages = shape->stages;
+    }
   // A TMA kernel (asked for, or the default for these dims) runs where it can: sm_90+ and
   // K / V strides its tensor maps can describe (a trial encode with the kernel's own
   // boxes); elsewhere the plain default.
@@ -527,16 +533,11 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   KernelVariant dflt;
   if (want == cp_async_request(p) &&
       (!p.paged() || p.page_size % kTileKeys == 0) &&
-      tma_default(p, rb, p.batch * p.heads_kv * ((R + rb - 1) / rb), f.sms, req, &dflt) &&
+      tma_default(p, rb, units, f.sms, req, &dflt) &&
       !(p.paged() && dflt.wide)) {
     want = dflt;
     want.paged = p.paged();
   }
-  // The device's paged table; JAX_SDPA_CUDA_DECODE_DEVICE_TABLE=h200|none picks one instead.
-  bool h200 = f.h200;
-  if (const char* v = tuning_knob("JAX_SDPA_CUDA_DECODE_DEVICE_TABLE")) h200 = std::strcmp(v, "h200") == 0;
-  if (p.paged() && h200 && rb == 8 && req.want == default_request() && !req.tma_off)
-    h200_paged_shape(p, &want);
   KernelInfo k = select_kernel(p.dtype, p.head_dim, p.head_dim_v, rb, want);
   if (k.func == nullptr) return cudaErrorInvalidValue;
   if (k.variant.tma &&
@@ -587,7 +588,6 @@ cudaError_t plan_uncached(const SdpaParams& p, int device, size_t workspace_byte
   plan->num_sms = f.sms;
   plan->tensor_cores = k.tensor_cores;
   plan->kernel = k.variant;
-  const int64_t units = p.batch * p.heads_kv * plan->row_chunks;
   const int esz = p.dtype == DType::kF32 ? 4 : 2;
   const int64_t key_bytes = (p.head_dim + p.head_dim_v) * esz;
   // At least one tile per warp (the wide kernel's warps share each tile: two tiles).
