@@ -72,17 +72,11 @@ static void* read_part(void* arg) {
       if (mode == 1 && i + dist < n) _mm_prefetch(a + i + dist, _MM_HINT_T1);
       acc = read_row(acc, a + i, 64);
     }
-  } else if (mode == 2) {
-    for (long h = 0; h < heads; h++)
-      for (size_t j = 0; j < keys; j++) {
-        const char* p = a + j * S + h * R;
-        if (dist && j + dist < keys) prefetch_row(p + dist * S, R);
-        acc = read_row(acc, p, R);
-      }
-  } else if (mode == 3) {
-    for (size_t j0 = 0; j0 < keys; j0 += blk)
+  } else if (mode == 2 || mode == 3) {  // mode 2: one block of every key
+    const size_t block = mode == 2 ? keys : (size_t)blk;
+    for (size_t j0 = 0; j0 < keys; j0 += block)
       for (long h = 0; h < heads; h++)
-        for (size_t j = j0; j < j0 + blk && j < keys; j++) {
+        for (size_t j = j0; j < j0 + block && j < keys; j++) {
           const char* p = a + j * S + h * R;
           if (dist && j + dist < keys) prefetch_row(p + dist * S, R);
           acc = read_row(acc, p, R);
