@@ -15,7 +15,6 @@ flash-attn3-jax and our CUDA kernels.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -57,29 +56,27 @@ def ours(implementation=None):
 
 
 def lowered(fwd_cond: bool, bwd_switch: bool):
+    """Each direction plain (the runs found, the varlen call) or as the lowering emits it
+    (flash_attn3._packed: its conditional, our flash kernel as the fallback branch)."""
     cap = f3.max_sequences(B)
+    optional = lambda: (None,) * 4 + (ids(), ids())  # noqa: E731  (only the ids are read)
+    packed_fwd = f3._packed("fwd", PARAMS, lambda q, k, v, *_: (
+        ours("cuda")(q, k, v), jnp.zeros((B, HQ, L), jnp.float32)))
+    packed_bwd = f3._packed("bwd", PARAMS, lambda q, k, v, out, lse, dout, *_: jax.vjp(
+        ours("cuda"), q, k, v)[1](dout))
 
     def forward(q, k, v):
-        cu, _, _, ok = f3.sequence_runs(ids(), ids(), cap)
-        run = lambda: f3._varlen_forward(q, k, v, cu, params=PARAMS)  # noqa: E731
-        if not fwd_cond:
-            return run()
-        fallback = lambda: (ours("cuda")(q, k, v), jnp.zeros((B, HQ, L), jnp.float32))  # noqa: E731
-        return jax.lax.cond(ok, run, fallback)
+        if fwd_cond:
+            return packed_fwd(q, k, v, *optional())
+        cu = f3.sequence_runs(ids(), ids(), cap)[0]
+        return f3._varlen_forward(q, k, v, cu, params=PARAMS)
 
     def backward(q, k, v, out, lse, dout):
-        cu, runs, longest, ok = f3.sequence_runs(ids(), ids(), cap)
-        call = functools.partial(f3._varlen_backward, q, k, v, out, lse, dout, cu,
-                                 params=PARAMS)
-        if not bwd_switch:
-            return call(sequences=B * SEGMENTS, longest=S)
-        counts, lengths = f3._buckets(B, cap), f3._buckets(min(128, L), L)
-        branches = [lambda: jax.vjp(ours("cuda"), q, k, v)[1](dout)]
-        branches += [functools.partial(call, sequences=n, longest=m)
-                     for n in counts for m in lengths]
-        index = (jnp.sum(jnp.asarray(counts[:-1]) < runs) * len(lengths)
-                 + jnp.sum(jnp.asarray(lengths[:-1]) < longest))
-        return jax.lax.switch(jnp.where(ok, 1 + index, 0), branches)
+        if bwd_switch:
+            return packed_bwd(q, k, v, out, lse, dout, *optional())
+        cu = f3.sequence_runs(ids(), ids(), cap)[0]
+        return f3._varlen_backward(q, k, v, out, lse, dout, cu, sequences=B * SEGMENTS,
+                                   longest=S, params=PARAMS)
 
     @jax.custom_vjp
     def f(q, k, v):
