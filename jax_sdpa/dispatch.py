@@ -467,7 +467,7 @@ def _supports_flash_attn3(call: "_Call") -> Verdict:
         return _no(why)
     target = flash_attn3.FWD_TARGET if call.direction == "fwd" else flash_attn3.BWD_TARGET
     if call.cfg.has_segment_ids:
-        cap = flash_attn3.max_sequences(1)
+        cap = flash_attn3.max_sequences(1, call.cfg.len_q)
         return _ok(f"FlashAttention-3's varlen kernels (flash-attn3-jax) [{target}] over the "
                    f"runs of equal segment ids, checked when the call runs: each id one run, "
                    f"the key's ids the query's, <= {cap} runs a row; else what "

@@ -165,11 +165,13 @@ def _backward(q, k, v, out, lse, dout, *, params):
 
 # ---- packed sequences: the varlen kernels ----------------------------------------
 
-def max_sequences(batch: int) -> int:
-    """The most runs of equal segment ids (sequences) a packed call hands the varlen
-    kernels; a call with more takes its fallback (the row FLASH_ATTN3_PACKED of
-    jax_sdpa/tuning.py)."""
-    return batch * tuning.FLASH_ATTN3_PACKED["max_sequences_per_row"]
+def max_sequences(batch: int, length: int) -> int:
+    """The most runs of equal segment ids (sequences) a packed call of `batch` rows of
+    `length` tokens hands the varlen kernels; a call with more takes its fallback. Longer
+    rows hold more documents, and every sequence the forward is told costs it a little
+    whether it is real or padding (the row FLASH_ATTN3_PACKED of jax_sdpa/tuning.py)."""
+    row = tuning.FLASH_ATTN3_PACKED["sequences_per_row"]
+    return batch * min(max(length // row["tokens_each"], row["least"]), row["most"])
 
 
 def _buckets(first: int, last: int):
@@ -280,7 +282,7 @@ def _packed(direction, params, fallback):
 
     if direction == "fwd":
         def fn(q, k, v, *optional):
-            cap = max_sequences(q.shape[0])
+            cap = max_sequences(*q.shape[:2])
             cu, _, _, ok = sequence_runs(optional[_Q_IDS], optional[_KV_IDS], cap)
             return jax.lax.cond(
                 ok, lambda: _varlen_forward(q, k, v, cu, params=params),
@@ -289,7 +291,7 @@ def _packed(direction, params, fallback):
 
     def fn(q, k, v, out, lse, dout, *optional):
         b, length = q.shape[:2]
-        cap = max_sequences(b)
+        cap = max_sequences(b, length)
         cu, runs, longest, ok = sequence_runs(optional[_Q_IDS], optional[_KV_IDS], cap)
         counts = _buckets(b, cap)
         lengths = _buckets(min(_BWD_MAX_TILE_ROWS, length), length)

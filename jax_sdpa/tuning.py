@@ -172,15 +172,22 @@ ROWS = {
         "benchmarks/results/h200/peers_flash_attn3.json, benchmarks/results/h100/peers.json, "
         "benchmarks/results/h100/peers_short.json"),
     "FLASH_ATTN3_PACKED": Row(
-        {"prefer": True, "max_sequences_per_row": 64},
+        {"prefer": True, "sequences_per_row": {"least": 64, "most": 256, "tokens_each": 64}},
         "16-bit D128 packed self-attention (segment ids, Lq = Lk) where flash-attn3-jax "
-        "serves: its varlen kernels before cuDNN's segment mask, for calls of up to this "
-        "many runs of equal ids per batch row (the varlen backward's grid grows with the "
-        "sequences it is told: B2 H32/KV8 L8192 causal fwd+bwd 1.57 ms told 16, 2.87 told "
-        "64, 7.26 told 256 with L as the longest). Packed B2 H32/KV8 L8192 D128 causal, 8 "
-        "segments: None 0.393 / 1.547 ms fwd / fwd+bwd (0.93 / 0.97 of flash-attn3-jax's own "
-        "varlen call, 0.366 / 1.494, which is told the boundaries), cuDNN with the ids as a "
-        "mask 3.63 / 16.1",
+        "serves: its varlen kernels before cuDNN's segment mask, for calls of up to one run "
+        "of equal ids per tokens_each tokens of a row, at least `least` and at most `most` "
+        "runs a row (jax_sdpa.flash_attn3.max_sequences). Every sequence the forward is told "
+        "costs it whether real or padding (H200, B2 H32/KV8 L8192 causal, 16 real: 366 us "
+        "told 128, 369 told 256, 372 told 512, 377 told 1024) and the backward's grid grows "
+        "with the sequences it is told (fwd+bwd 1.57 ms told 16, 2.87 told 64, 7.26 told 256 "
+        "with L as the longest; its switch tells it a bucket of the real count). 100-token "
+        "documents in L8192 rows (82 runs a row) through the varlen kernels (forward told 512) "
+        "0.225 / 1.325 ms fwd / fwd+bwd against 3.46 / 16.0 for cuDNN's mask, where 64 runs a "
+        "row sent them; L8192 rows now tell the forward 128 a row. "
+        "Packed B2 H32/KV8 L8192 D128 causal, 8 segments: None 0.393 / 1.547 ms (0.93 / 0.97 "
+        "of flash-attn3-jax's own varlen call, 0.366 / 1.494, which is told the boundaries), "
+        "cuDNN with the ids as a mask 3.63 / 16.1",
+        "benchmarks/results/h200/packed_cap_20261207.json, "
         "benchmarks/results/h200/peers_all.json"),
 }
 

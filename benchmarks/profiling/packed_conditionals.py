@@ -58,7 +58,7 @@ def ours(implementation=None):
 def lowered(fwd_cond: bool, bwd_switch: bool):
     """Each direction plain (the runs found, the varlen call) or as the lowering emits it
     (flash_attn3._packed: its conditional, our flash kernel as the fallback branch)."""
-    cap = f3.max_sequences(B)
+    cap = f3.max_sequences(B, L)
     optional = lambda: (None,) * 4 + (ids(), ids())  # noqa: E731  (only the ids are read)
     packed_fwd = f3._packed("fwd", PARAMS, lambda q, k, v, *_: (
         ours("cuda")(q, k, v), jnp.zeros((B, HQ, L), jnp.float32)))
