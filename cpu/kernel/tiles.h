@@ -213,8 +213,8 @@ void scale_and_mask(const SdpaParams& p, const Tile& t, int64_t j0, int64_t jn, 
   }
 }
 
-// Qt[d][c] = X row of column c (zero for padding / invalid rows); also returns
-// the row-major copy in Xr[c][dp] when asked (backward).
+// Xt[d][c] = X row of column c (zero for padding / invalid rows) and the row-major copy
+// Xr[c][dp], each when asked (non-null).
 void pack_rows(const SdpaParams& p, const Tile& t, const void* X, const int64_t stride[3],
                int64_t dim, float* Xt, float* Xr, int64_t dp, float* tmp) {
   const int64_t np = t.np;
@@ -226,7 +226,8 @@ void pack_rows(const SdpaParams& p, const Tile& t, const void* X, const int64_t 
     } else {
       memset(tmp, 0, dim * sizeof(float));
     }
-    for (int64_t d = 0; d < dim; ++d) Xt[d * np + c] = tmp[d];
+    if (Xt)
+      for (int64_t d = 0; d < dim; ++d) Xt[d * np + c] = tmp[d];
     if (Xr) {
       memcpy(Xr + c * dp, tmp, dim * sizeof(float));
       memset(Xr + c * dp + dim, 0, (dp - dim) * sizeof(float));
