@@ -183,7 +183,9 @@ ROWS = {
         "with L as the longest; its switch tells it a bucket of the real count). 100-token "
         "documents in L8192 rows (82 runs a row) through the varlen kernels (forward told 512) "
         "0.225 / 1.325 ms fwd / fwd+bwd against 3.46 / 16.0 for cuDNN's mask, where 64 runs a "
-        "row sent them; L8192 rows now tell the forward 128 a row. "
+        "row sent them; L8192 rows now tell the forward 128 a row (paired on an H100: 399 / 400 "
+        "us forward against 425 / 401 at 64 a row, 1750 / 1759 against 1742 / 1749 "
+        "forward+backward; 100-token documents 233 / 1587 against 3510 / 16040). "
         "Packed B2 H32/KV8 L8192 D128 causal, 8 segments: None 0.393 / 1.547 ms (0.93 / 0.97 "
         "of flash-attn3-jax's own varlen call, 0.366 / 1.494, which is told the boundaries), "
         "cuDNN with the ids as a mask 3.63 / 16.1",
