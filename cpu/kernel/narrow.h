@@ -102,10 +102,10 @@ void narrow_softmax(float* St, int64_t jn, int ns, float* m, float* l, float* al
   const vf mo = loadv(lanes);
   const vf mn = vmax(mo, mx);
   const vf mu = select(mn == splat(-INFINITY), splat(0.0f), mn);  // nothing yet: no shift
-  const vf al = vexp(mo - mu);
+  const vf al = vexp_diff(mo, mu);
   vf s0 = vf{}, s1 = vf{};
   for (int64_t x = 0; x < end; x += 2 * W) {
-    const vf e0 = vexp(loadv(St + x) - mu), e1 = vexp(loadv(St + x + W) - mu);
+    const vf e0 = vexp_diff(loadv(St + x), mu), e1 = vexp_diff(loadv(St + x + W), mu);
     storev(St + x, e0);
     storev(St + x + W, e1);
     s0 += e0;

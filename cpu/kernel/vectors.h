@@ -80,30 +80,48 @@ inline vf vexp(vf x) {
   return select(under, splat(0.0f), y);
 }
 
-// e^(x - mu) for the online softmax (x <= mu, or NaN): 2^((x - mu) log2 e), reduced by
-// rounding to the nearest integer n and a degree-6 polynomial of the rest (relative error
-// ~1e-7, fitted on [-0.5, 0.5]); AVX-512 scales by 2^n in one instruction (VSCALEFPS). Below
-// 2^-200 (a masked score's -inf included) it is exactly 0; NaN stays NaN. Half the
-// instructions of vexp, whose exact range reduction the softmax doesn't need: an argument's
-// rounding costs a term e^d its relative |d| * 6e-8, at most 1.5e-8 of the row's largest.
-inline vf vexp_diff(vf x, vf mu) {
+// e^x for x <= 0 (or NaN), as the softmax's terms e^(s - max) and the backward's
+// e^(s - lse) are: 2^(x log2 e), reduced by rounding to the nearest integer n and a degree-6
+// polynomial of the rest (relative error ~1e-7, fitted on [-0.5, 0.5]), then scaled by 2^n.
+// Masked scores (-inf) give exactly 0, as every term below 2^-127 does (AVX-512: 2^-200);
+// NaN stays NaN. About half the instructions of vexp, whose exact range reduction the
+// softmax doesn't need: an argument's rounding costs a term e^d its relative |d| * 6e-8, at
+// most 1.5e-8 of the row's largest.
+inline vf vexp_nonpositive(vf x) {
 #if defined(__AVX512F__)
-  __m512 t = _mm512_mul_ps((__m512)(x - mu), _mm512_set1_ps(1.44269504088896341f));
+  __m512 t = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
   t = _mm512_max_ps(_mm512_set1_ps(-200.0f), t);  // MAXPS returns its NaN second operand
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(t, n);
-  __m512 q = _mm512_set1_ps(1.539433578727767e-4f);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3388516381382942e-3f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(9.618211537599564e-3f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.550358444452286e-2f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(2.4022650718688965e-1f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(6.931471824645996e-1f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  return (vf)_mm512_scalef_ps(q, n);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 t = _mm256_mul_ps((__m256)x, _mm256_set1_ps(1.44269504088896341f));
+  // n = -127 makes the scale's exponent field 0: the scale, and the term, exactly 0
+  t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);  // NaN second operand: NaN stays
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const vf r = (vf)t - (vf)n;
+  vf q = splat(1.539433578727767e-4f);
+  q = q * r + splat(1.3388516381382942e-3f);
+  q = q * r + splat(9.618211537599564e-3f);
+  q = q * r + splat(5.550358444452286e-2f);
+  q = q * r + splat(2.4022650718688965e-1f);
+  q = q * r + splat(6.931471824645996e-1f);
+  q = q * r + splat(1.0f);
+#endif
+#if defined(__AVX512F__)
+  return (vf)_mm512_scalef_ps((__m512)q, n);  // 2^n in one instruction
+#elif defined(__AVX2__) && defined(__FMA__)
+  // 2^n built in the exponent field: n in [-127, 0], a NaN's garbage scale keeps q's NaN
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return q * (vf)_mm256_castsi256_ps(e);
 #else
-  return vexp(x - mu);
+  return vexp(x);
 #endif
 }
+
+// e^(x - mu) for the online softmax (x <= mu, or NaN).
+inline vf vexp_diff(vf x, vf mu) { return vexp_nonpositive(x - mu); }
 
 // x as rounded where it was computed: no later operation fuses with the one that made it
 // (the compilers contract a multiply and an add into an FMA, rounding once).
