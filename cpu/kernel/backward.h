@@ -170,7 +170,8 @@ void bwd_task(void* vctx, int64_t task, int participant) {
       for (int64_t j = 0; j < jn; ++j)
         for (int64_t c0 = 0; c0 < np; c0 += W) {
           // P <= 1: the recomputed score can round above the forward's max near 1e30.
-          vf pr = vexp_nonpositive(clamp_nonpositive(loadv(St + j * np + c0) - loadv(lse_use + c0)));
+          vf pr = vexp_nonpositive(
+              clamp_nonpositive(loadv(St + j * np + c0) - loadv(lse_use + c0)));
           storev(St + j * np + c0, pr);
           // dS (through the cap's derivative) selected where P = 0: a hidden key's dP or
           // cap derivative may be NaN, and 0 * NaN is NaN.

@@ -438,45 +438,33 @@ void finish_tile(const FwdCtx& ctx, TileState& st, const BlockScratch& sc, int64
   if (stream) stream_fence();
 }
 
-// sc.next_k / next_v: the K / V rows of keys [j1, j1 + n) of the tile's kv head, n <= kBk
-// (null past its keys or where hidden, and from n on). A task walking nh > 1 kv heads of a
-// slot-major cache takes, for its part-th head, the part-th nh-th of the next block's keys
-// of all nh heads instead, key by key: the heads' prefetches then cover the next block in
-// address order.
+// sc.next_k / next_v: the K / V rows of the next block, keys [j1, j1 + n) (n <= kBk), of
+// the nh kv heads from hk0 a task walks (the tile's own head alone where nh = 1), key by
+// key: the tile of head hk0 + s takes the s-th nh-th of those keys, so that the heads'
+// prefetches cover the next block in address order. Null past the tile's keys, where
+// hidden, and past the share.
 void next_block_rows(const FwdCtx& ctx, const TileState& st, int64_t j1, int64_t n,
-                     const BlockScratch& sc, int64_t part = 0, int64_t nh = 1,
-                     int64_t hk0 = 0) {
+                     int64_t hk0, int64_t nh, const BlockScratch& sc) {
   const SdpaParams& p = *ctx.p;
   const char* kp = static_cast<const char*>(ctx.buf->k);
   const char* vp = static_cast<const char*>(ctx.buf->v);
   const int64_t item = dtype_bytes(p.dtype);
   for (int64_t j = 0; j < kBk; ++j) sc.next_k[j] = sc.next_v[j] = nullptr;
-  if (j1 >= st.kb) return;
+  const int64_t per = (n + nh - 1) / nh, k0 = j1 + (st.t.hk - hk0) * per;
+  const int64_t kn = min64(per, min64(st.kb, j1 + n) - k0);
+  if (kn <= 0) return;
   KeyRun runs[kBk];
-  if (nh > 1) {
-    const int64_t per = (n + nh - 1) / nh, k0 = j1 + part * per;
-    const int64_t kn = min64(per, min64(st.kb, j1 + n) - k0);
-    if (kn <= 0) return;
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t nruns = key_runs(p, st.t.b, hk0 + h, k0, kn, runs);
-      for (int64_t r = 0; r < nruns; ++r)
-        if (runs[r].k >= 0)
-          for (int64_t j = 0; j < runs[r].n; ++j) {
-            const int64_t slot = (runs[r].j + j) * nh + h;
-            if (slot >= kBk) continue;
-            sc.next_k[slot] = kp + (runs[r].k + j * p.k_stride[2]) * item;
-            sc.next_v[slot] = vp + (runs[r].v + j * p.v_stride[2]) * item;
-          }
-    }
-    return;
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t nruns = key_runs(p, st.t.b, hk0 + h, k0, kn, runs);
+    for (int64_t r = 0; r < nruns; ++r)
+      if (runs[r].k >= 0)
+        for (int64_t j = 0; j < runs[r].n; ++j) {
+          const int64_t slot = (runs[r].j + j) * nh + h;
+          if (slot >= kBk) continue;
+          sc.next_k[slot] = kp + (runs[r].k + j * p.k_stride[2]) * item;
+          sc.next_v[slot] = vp + (runs[r].v + j * p.v_stride[2]) * item;
+        }
   }
-  const int64_t nruns = key_runs(p, st.t.b, st.t.hk, j1, min64(n, st.kb - j1), runs);
-  for (int64_t r = 0; r < nruns; ++r)
-    if (runs[r].k >= 0)
-      for (int64_t j = 0; j < runs[r].n; ++j) {
-        sc.next_k[runs[r].j + j] = kp + (runs[r].k + j * p.k_stride[2]) * item;
-        sc.next_v[runs[r].j + j] = vp + (runs[r].v + j * p.v_stride[2]) * item;
-      }
 }
 
 // A task is one key share of a group of tiles: the same rows of group_heads consecutive kv
@@ -529,7 +517,7 @@ void fwd_task(void* vctx, int64_t task, int participant) {
       // a tile's own keys within this block (tiles of one task may start at other keys)
       const int64_t lo = max64(j0, st.ka), hi = min64(j0 + step, st.kb);
       if (lo >= hi) continue;
-      if (st.narrow) next_block_rows(ctx, st, j0 + step, step, sc, s, nh, hk0);
+      if (st.narrow) next_block_rows(ctx, st, j0 + step, step, hk0, nh, sc);
       tile_block(ctx, st, sc, lo, hi - lo);
     }
   }

@@ -87,34 +87,30 @@ inline vf vexp(vf x) {
 // NaN stays NaN. About half the instructions of vexp, whose exact range reduction the
 // softmax doesn't need: an argument's rounding costs a term e^d its relative |d| * 6e-8, at
 // most 1.5e-8 of the row's largest.
-inline vf vexp_nonpositive(vf x) {
-#if defined(__AVX512F__)
-  __m512 t = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
-  t = _mm512_max_ps(_mm512_set1_ps(-200.0f), t);  // MAXPS returns its NaN second operand
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 t = _mm256_mul_ps((__m256)x, _mm256_set1_ps(1.44269504088896341f));
-  // n = -127 makes the scale's exponent field 0: the scale, and the term, exactly 0
-  t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);  // NaN second operand: NaN stays
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  const vf r = (vf)t - (vf)n;
+inline vf exp2_reduced(vf r) {  // 2^r on [-0.5, 0.5]
   vf q = splat(1.539433578727767e-4f);
   q = q * r + splat(1.3388516381382942e-3f);
   q = q * r + splat(9.618211537599564e-3f);
   q = q * r + splat(5.550358444452286e-2f);
   q = q * r + splat(2.4022650718688965e-1f);
   q = q * r + splat(6.931471824645996e-1f);
-  q = q * r + splat(1.0f);
-#endif
+  return q * r + splat(1.0f);
+}
+inline vf vexp_nonpositive(vf x) {
 #if defined(__AVX512F__)
-  return (vf)_mm512_scalef_ps((__m512)q, n);  // 2^n in one instruction
+  __m512 t = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
+  t = _mm512_max_ps(_mm512_set1_ps(-200.0f), t);  // MAXPS returns its NaN second operand
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (vf)_mm512_scalef_ps((__m512)exp2_reduced((vf)t - (vf)n), n);  // 2^n: one instruction
 #elif defined(__AVX2__) && defined(__FMA__)
-  // 2^n built in the exponent field: n in [-127, 0], a NaN's garbage scale keeps q's NaN
+  __m256 t = _mm256_mul_ps((__m256)x, _mm256_set1_ps(1.44269504088896341f));
+  // n = -127 makes the scale's exponent field 0: the scale, and the term, exactly 0
+  t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);  // NaN second operand: NaN stays
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // 2^n built in the exponent field: n in [-127, 0], a NaN's garbage scale keeps its NaN
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return q * (vf)_mm256_castsi256_ps(e);
+  return exp2_reduced((vf)t - (vf)n) * (vf)_mm256_castsi256_ps(e);
 #else
   return vexp(x);
 #endif
